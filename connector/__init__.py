@@ -1,0 +1,1 @@
+"""pyspark_persist: see README.md (the package root re-exports DefaultSource once it exists)."""

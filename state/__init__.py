@@ -1,0 +1,98 @@
+"""The shard: a durable, definite, time-varying collection of ``(row, time, diff)`` updates.
+
+This is a Python rebuild of Materialize's *persist*. Everything else in
+pyspark_persist (PubSub, the Spark source and sink, the CLI) stands on it,
+and nothing here imports Spark.
+
+The story
+---------
+A *shard* holds updates ``(row, time, diff)``: ``row`` is the user's columns
+(an Arrow schema fixed when the shard is created), ``time`` an unsigned
+64-bit integer, ``diff`` a signed 64-bit multiplicity (+1 insert, -1
+retraction). Two frontiers describe it: ``upper`` (every time before it is
+final: no more updates will arrive there) and ``since`` (times before it
+have been compacted, so reads must be at or after it).
+
+The data lives in two stores with two small contracts:
+
+- **Blob** (:mod:`.blob`): write-once bytes under keys, ``file://`` (the
+  embedded default), ``s3://`` or ``mem://``. Parts (Parquet files of updates)
+  and rollups (full states) live here.
+- **Consensus** (:mod:`.consensus`): a linearizable log per shard, one row per
+  SeqNo, changed only by compare-and-set; ``sqlite://`` (the embedded
+  default), ``postgresql://`` or ``mem://``. Each row holds a state *diff*.
+
+Every change to a shard is a pure function ``state -> state'``
+(:mod:`.commands`) turned into a :class:`~.diff.StateDiff`, which
+:class:`~.machine.Machine` compare-and-sets at the next SeqNo, retrying
+against fresher state when it loses a race. So every change is
+linearizable, and a retry after an unknown outcome is safe: writers carry an
+idempotency token, and a commit whose token already landed is reported as
+:class:`AlreadyCommitted` instead of being applied twice.
+
+Writing is two-phase: any number of processes stage Parquet parts
+(:class:`~.write.BatchBuilder`, bounded memory), then one
+:meth:`~.write.WriteHandle.compare_and_append_batches` makes them all
+visible atomically at ``[expected_upper, new_upper)``. Tiny writes skip Blob
+and ride inline in the state diff, which is how a small write costs one
+Consensus round trip.
+
+Reading: :meth:`~.read.ReadHandle.snapshot` names the parts that make up the
+collection at ``as_of``, each a :class:`~.parts.LeasedPart` any process can
+fetch; :meth:`~.read.ReadHandle.listen` yields every later batch.
+
+Invariants: ``upper`` and ``since`` only advance; batches tile ``[0, upper)``;
+a part key is written once and never changed; a committed update is never
+lost or applied twice.
+
+Memory: a writer holds at most ``B * (2N + 1)`` bytes per batch builder
+(``B`` = ``part_target_bytes``, ``N`` = ``max_outstanding_parts``); a reader
+streams parts and holds about ``3B``.
+
+Quick start::
+
+    import pyarrow as pa
+    from pyspark_persist.state import PersistClient
+
+    client = PersistClient.open()      # file:// + sqlite:// under ~/.pyspark-persist
+    shard = client.open_shard("events", pa.schema([("id", pa.int64()), ("name", pa.string())]))
+    shard.writer().append(pa.table({"id": [1, 2], "name": ["a", "b"]}))
+    print(shard.reader().snapshot_table().to_pylist())
+"""
+
+from pyspark_persist.state.client import (
+    PersistClient,
+    Shard,
+    default_blob_uri,
+    default_consensus_uri,
+    default_home,
+)
+from pyspark_persist.state.commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
+from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.parts import DIFF, TIME, LeasedPart
+from pyspark_persist.state.read import Listen, ListenEvent, ReadHandle, Snapshot, iter_parts
+from pyspark_persist.state.write import BatchBuilder, StagedBatch, WriteHandle
+
+__all__ = [
+    "DIFF",
+    "TIME",
+    "AlreadyCommitted",
+    "AppendResult",
+    "BatchBuilder",
+    "Committed",
+    "LeasedPart",
+    "Listen",
+    "ListenEvent",
+    "PersistClient",
+    "PersistConfig",
+    "ReadHandle",
+    "Shard",
+    "Snapshot",
+    "StagedBatch",
+    "UpperMismatch",
+    "WriteHandle",
+    "default_blob_uri",
+    "default_consensus_uri",
+    "default_home",
+    "iter_parts",
+]

@@ -1,0 +1,97 @@
+"""Blob: a durable key-value store for immutable bytes (parts and rollups).
+
+Persist writes every key exactly once with content that never changes (a part
+key is a fresh unique name; a rollup key is named after the SeqNo whose state
+it holds, and that state is deterministic), so the contract is small:
+
+- ``get`` returns the bytes or ``None`` when the key does not exist;
+- ``set`` stores the bytes atomically: a reader sees all of them or no key;
+- ``delete`` is idempotent and returns the size freed (``None`` when absent);
+- ``list_keys`` lists keys under a prefix with their sizes, for GC.
+
+Backends are chosen by URI scheme with :func:`open_blob`: ``file:///path``
+(the embedded default, atomic write via rename), ``s3://bucket/prefix``
+(boto3, honours ``?endpoint_url=`` and the standard credential chain) and
+``mem://name`` (one process, for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pyspark_persist.state.errors import InvalidUri, InvalidUsage
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+
+
+def validate_key(key: str) -> str:
+    """Reject keys that could escape a Blob's prefix (``..``, absolute paths, odd bytes)."""
+    if not _KEY_RE.match(key) or any(seg in (".", "..") for seg in key.split("/")):
+        raise InvalidUsage(
+            f"invalid blob key {key!r}: use '/'-separated segments of letters, digits, "
+            "'_', '-' and '.', with no '.' or '..' segment"
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class BlobMeta:
+    """A key listed by :meth:`Blob.list_keys` and its size in bytes."""
+
+    key: str
+    size_bytes: int
+
+
+class Blob(ABC):
+    """A durable store of write-once bytes under string keys. See the module doc."""
+
+    @property
+    @abstractmethod
+    def uri(self) -> str:
+        """The URI this Blob was opened from (credentials removed), to reopen it elsewhere."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """Return the bytes stored under ``key``, or ``None`` if there is no such key."""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` atomically and durably (overwrites are allowed)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> int | None:
+        """Delete ``key``; idempotent. Returns the bytes freed, or ``None`` if it was absent."""
+
+    @abstractmethod
+    def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
+        """Yield every key that starts with ``prefix``, with its size (order unspecified)."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release connections; the Blob must not be used afterwards."""
+
+
+def open_blob(uri: str) -> Blob:
+    """Open the Blob named by ``uri`` (``file://``, ``s3://`` or ``mem://``)."""
+    scheme, sep, _ = uri.partition("://")
+    if not sep:
+        raise InvalidUri(
+            f"blob URI {uri!r} has no scheme: use file:///abs/path, s3://bucket/prefix or mem://name"
+        )
+    if scheme == "file":
+        from pyspark_persist.state.blob.file import FileBlob
+
+        return FileBlob.from_uri(uri)
+    if scheme == "s3":
+        from pyspark_persist.state.blob.s3 import S3Blob
+
+        return S3Blob.from_uri(uri)
+    if scheme == "mem":
+        from pyspark_persist.state.blob.mem import MemBlob
+
+        return MemBlob.from_uri(uri)
+    raise InvalidUri(
+        f"unknown blob scheme {scheme!r} in {uri!r}: use file://, s3:// or mem://"
+    )

@@ -1,0 +1,182 @@
+"""A Blob in a local (or shared, POSIX) directory: ``file:///absolute/path``.
+
+Each key is a file under the root; the ``/`` in a key makes subdirectories
+(every segment is checked by :func:`validate_key`, so no key escapes the root).
+
+Atomicity and durability of :meth:`FileBlob.set`: the value is written to a
+temporary file in the key's directory, flushed and ``fsync``-ed, then
+``os.replace``-d onto the key. A reader therefore sees the old bytes or the new
+bytes whole, never a prefix, and a crash of the *process* at any point leaves
+either no key or the whole value (the page cache outlives the process).
+
+The directory is deliberately *not* ``fsync``-ed after the rename: that would
+double the synchronous flushes of every write. The trade-off is for *power
+loss* (or a kernel crash) only: a set that returned just before may be rolled
+back so that the key is absent (or holds its previous value) after reboot. The
+data itself is already on disk, so on journaling filesystems (ext4, xfs) a
+key, when present, is always whole. Persist keys are write-once, so a rolled
+back set can only lose a part or rollup that the last moments before the power
+loss wrote; deployments that must survive power loss with no loss at all
+should use an object store (``s3://``).
+
+Temporary files are named ``.tmp~<uuid>``; ``~`` is outside the key alphabet,
+so no key can collide with one. :meth:`FileBlob.list_keys` skips every file or
+directory whose name is not a valid key segment, temp files included. A
+process crash mid-set can leave one behind; it is never listed (so never
+garbage-collected by persist) and is safe to delete by hand.
+
+Because keys are files and directories, a key cannot also be a "directory" of
+other keys (``a`` and ``a/b`` cannot coexist, unlike in S3); such a set raises
+:class:`InvalidUsage`. Persist's key layout never does this. Directories emptied
+by deletes are left in place, so a delete never races a concurrent set into
+the same directory.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+
+from pyspark_persist.state.blob import Blob, BlobMeta, validate_key
+from pyspark_persist.state.errors import InvalidUri, InvalidUsage, StoreUnavailable
+
+_TMP_PREFIX = ".tmp~"
+
+# Errors that mean "no file at this key": the path is missing, or a segment of
+# it is a file (``a`` exists, ``a/b`` asked for), or it names a directory.
+_ABSENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+def _is_key_segment(name: str) -> bool:
+    """Whether ``name`` could be one ``/``-separated segment of a valid key."""
+    try:
+        validate_key(name)
+    except InvalidUsage:
+        return False
+    return True
+
+
+class FileBlob(Blob):
+    """Keys are files under one root directory; see the module doc for the guarantees."""
+
+    def __init__(self, root: str) -> None:
+        self._root = root
+
+    @classmethod
+    def from_uri(cls, uri: str) -> FileBlob:
+        """Open ``file:///absolute/path``, creating the directory if it does not exist."""
+        scheme, sep, path = uri.partition("://")
+        if scheme != "file" or not sep or not os.path.isabs(path):
+            raise InvalidUri(
+                f"invalid file blob URI {uri!r}: the path must be absolute, "
+                "use file:///absolute/path"
+            )
+        root = os.path.normpath(path)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise InvalidUri(
+                f"invalid file blob URI {uri!r}: {root} exists and is not a directory, "
+                "use file:///absolute/path naming a directory"
+            )
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot create blob directory {root}: {e}") from e
+        return cls(root)
+
+    @property
+    def uri(self) -> str:
+        """``file://`` followed by the absolute root path."""
+        return f"file://{self._root}"
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._root, *validate_key(key).split("/"))
+
+    def get(self, key: str) -> bytes | None:
+        """Read the whole file; a missing key (or one shadowed by a directory) is ``None``."""
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except _ABSENT:
+            return None
+        except OSError as e:
+            raise StoreUnavailable(f"cannot read blob {path}: {e}") from e
+
+    def set(self, key: str, value: bytes) -> None:
+        """Write a temp file, fsync it, rename it onto the key (see the module doc)."""
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(value)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                # Nothing was renamed, so the key is unchanged; do not leave litter.
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
+        except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+            raise InvalidUsage(
+                f"blob key {key!r} collides with another key in {self._root}: a key cannot "
+                f"also be a prefix directory of other keys in a file:// blob ({e})"
+            ) from e
+        except OSError as e:
+            raise StoreUnavailable(f"cannot write blob {path}: {e}") from e
+
+    def delete(self, key: str) -> int | None:
+        """Unlink the file; the size comes from a stat just before."""
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            os.unlink(path)
+        except _ABSENT:
+            return None
+        except OSError as e:
+            raise StoreUnavailable(f"cannot delete blob {path}: {e}") from e
+        return st.st_size
+
+    def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
+        """Walk only the subtree that can hold keys with ``prefix``; skip non-key names."""
+        head, slash, _ = prefix.rpartition("/")
+        if not slash:
+            return self._walk(self._root, "", prefix)
+        try:
+            validate_key(head)
+        except InvalidUsage:
+            # A valid key starting with ``head/`` would make ``head`` a valid key too,
+            # so there is no such key (and ``head`` may not be safe to join to the root).
+            return iter(())
+        return self._walk(os.path.join(self._root, *head.split("/")), f"{head}/", prefix)
+
+    def _walk(self, directory: str, key_prefix: str, prefix: str) -> Iterator[BlobMeta]:
+        try:
+            entries = list(os.scandir(directory))
+        except _ABSENT:
+            return
+        except OSError as e:
+            raise StoreUnavailable(f"cannot list blob directory {directory}: {e}") from e
+        for entry in entries:
+            if not _is_key_segment(entry.name):
+                continue  # a temp file, or litter no key can name
+            key = key_prefix + entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    # Descend only where a key below could still start with ``prefix``.
+                    below = f"{key}/"
+                    if below.startswith(prefix) or prefix.startswith(below):
+                        yield from self._walk(entry.path, below, prefix)
+                elif key.startswith(prefix):
+                    yield BlobMeta(key, entry.stat(follow_symlinks=False).st_size)
+            except FileNotFoundError:
+                continue  # deleted while we were listing

@@ -1,0 +1,347 @@
+"""A Blob in an S3 (or S3-compatible) bucket: ``s3://bucket/optional/prefix?query``.
+
+Credentials come only from boto3's standard chain (environment variables, the
+shared config/profile, an instance or task role): a URI never carries secrets,
+so :attr:`S3Blob.uri` can be logged and shipped to Spark executors as is. URIs
+with a ``user:password@`` part or unknown query parameters are rejected.
+
+Query parameters (all optional):
+
+- ``endpoint_url``: an S3-compatible endpoint (MinIO, moto, LocalStack). It
+  switches to path-style addressing, which those stores need. Without it,
+  boto3's own ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3`` handling applies.
+- ``region``: the signing region (otherwise ``AWS_REGION``/profile/default).
+- ``connect_timeout``, ``read_timeout``: seconds (boto3 defaults to 60 each).
+- ``max_attempts``: total attempts per request, including botocore's retries
+  in ``standard`` mode (default 3); ``1`` fails fast.
+
+Errors say whether a write may have happened: a request that surely never
+reached S3 (connection refused, connect timeout, no credentials, a 4xx) raises
+:class:`StoreUnavailable`; a ``set`` whose reply was lost (read timeout, closed
+connection, a 5xx after retries) raises :class:`Indeterminate`, which is safe to
+retry because a key's bytes never change. ``get``, ``delete`` and ``list_keys``
+always raise :class:`StoreUnavailable` (retrying them is always safe).
+
+The boto3 client is created lazily per process id: a client inherited through
+``os.fork`` (Spark's Python workers fork) shares sockets with its parent, so
+the child builds its own on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import boto3
+import botocore.session
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.loaders import Loader, create_loader
+from pyspark_persist.state.blob import Blob, BlobMeta, validate_key
+from pyspark_persist.state.errors import (
+    Indeterminate,
+    InvalidUri,
+    InvalidUsage,
+    PersistError,
+    StoreUnavailable,
+)
+
+# Loose on purpose: legacy buckets may hold upper case or '_'. No ':' (no port) or '@'.
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+_PARAM_NAME_RE = re.compile(r"^[a-z_]{1,40}$")
+_FLOAT_PARAMS = ("connect_timeout", "read_timeout")
+_PARAMS = ("endpoint_url", "region", *_FLOAT_PARAMS, "max_attempts")
+
+
+# Guards client creation. Recreated in a forked child, where a lock held by a
+# parent thread at fork time would otherwise stay locked forever.
+_CLIENT_LOCK = threading.Lock()
+
+
+def _reset_client_lock() -> None:
+    global _CLIENT_LOCK
+    _CLIENT_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_client_lock)
+
+
+# botocore's parsed service models, shared by every session: loading them costs
+# about 50 ms per session, which opening a Blob per Spark task would pay each time.
+_LOADER: Loader | None = None
+
+
+def _new_session() -> boto3.session.Session:
+    """A fresh session per client, since a boto3 session is not thread-safe.
+
+    A fresh one also resolves credentials anew, so rotated environment
+    credentials are picked up by the next Blob opened. Call with _CLIENT_LOCK held.
+    """
+    global _LOADER
+    if _LOADER is None:
+        _LOADER = create_loader()
+    core = botocore.session.Session()
+    core.register_component("data_loader", _LOADER)
+    return boto3.session.Session(botocore_session=core)
+
+
+class S3Blob(Blob):
+    """Keys are objects under ``prefix/`` in one bucket; see the module doc."""
+
+    def __init__(self, bucket: str, prefix: str, params: dict[str, str]) -> None:
+        """Use :meth:`from_uri`, which validates the arguments and checks the bucket."""
+        self._bucket = bucket
+        self._prefix = prefix
+        self._key_prefix = f"{prefix}/" if prefix else ""
+        self._params = params
+        config: dict[str, Any] = {
+            "max_pool_connections": 32,
+            "retries": {"mode": "standard"},
+        }
+        for name in _FLOAT_PARAMS:
+            if name in params:
+                config[name] = float(params[name])
+        if "max_attempts" in params:
+            config["retries"]["total_max_attempts"] = int(params["max_attempts"])
+        if "endpoint_url" in params:
+            config["s3"] = {"addressing_style": "path"}
+        self._config = Config(**config)
+        # (pid, client): one tuple so a reader never pairs one process's pid with another's client.
+        self._state: tuple[int, Any] | None = None
+
+    @classmethod
+    def from_uri(cls, uri: str) -> S3Blob:
+        """Parse ``uri`` and check once, with ``head_bucket``, that the bucket is reachable."""
+        blob = cls(*_parse(uri))
+        try:
+            blob._check_bucket()
+        except BaseException:
+            blob.close()
+            raise
+        return blob
+
+    @property
+    def uri(self) -> str:
+        """The canonical URI; it never holds secrets, since a URI with any is rejected."""
+        path = f"/{self._prefix}" if self._prefix else ""
+        query = urlencode([(k, self._params[k]) for k in _PARAMS if k in self._params])
+        return f"s3://{self._bucket}{path}" + (f"?{query}" if query else "")
+
+    def _client(self) -> Any:
+        pid = os.getpid()
+        state = self._state
+        if state is None or state[0] != pid:
+            with _CLIENT_LOCK:
+                state = self._state
+                if state is None or state[0] != pid:
+                    client = _new_session().client(
+                        "s3",
+                        region_name=self._params.get("region"),
+                        endpoint_url=self._params.get("endpoint_url"),
+                        config=self._config,
+                    )
+                    state = (pid, client)
+                    self._state = state
+        return state[1]
+
+    def close(self) -> None:
+        """Close this process's connection pool (an inherited client is left to the parent)."""
+        state, self._state = self._state, None
+        if state is not None and state[0] == os.getpid():
+            state[1].close()
+
+    def _where(self, key: str | None = None) -> str:
+        state = self._state
+        endpoint = (
+            state[1].meta.endpoint_url
+            if state is not None
+            else self._params.get("endpoint_url", "the default S3 endpoint")
+        )
+        name = self._key_prefix + key if key is not None else self._key_prefix
+        return f"s3://{self._bucket}/{name} at {endpoint}"
+
+    def _missing_bucket(self) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"S3 bucket {self._bucket!r} does not exist ({self._where()}): create it "
+            f"(e.g. `aws s3 mb s3://{self._bucket}`) or fix the bucket in the blob URI"
+        )
+
+    def _error(
+        self, op: str, key: str | None, e: Exception, *, may_have_happened: bool = False
+    ) -> PersistError:
+        """Translate a boto error; only a ``set`` whose reply was lost is indeterminate.
+
+        The message is built from the error code, HTTP status and S3's message
+        (never the request, its headers or the client), so it holds no secrets.
+        """
+        if isinstance(e, ClientError):
+            err = e.response.get("Error", {})
+            code = err.get("Code", "")
+            if code == "NoSuchBucket":
+                return self._missing_bucket()
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            detail = f"{code} (HTTP {status}): {err.get('Message', '')}"
+            unknown = may_have_happened and status >= 500
+        else:
+            detail = f"{type(e).__name__}: {e}"
+            unknown = (
+                may_have_happened
+                and isinstance(e, HTTPClientError)
+                and not isinstance(e, BotoConnectionError)
+            )
+        if unknown:
+            return Indeterminate(
+                f"S3 {op} of {self._where(key)} may or may not have happened: {detail}"
+            )
+        return StoreUnavailable(f"S3 {op} of {self._where(key)} failed: {detail}")
+
+    def _check_bucket(self) -> None:
+        try:
+            self._client().head_bucket(Bucket=self._bucket)
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status == 404:
+                raise self._missing_bucket() from e
+            if status == 403:
+                raise StoreUnavailable(
+                    f"access to S3 bucket {self._bucket!r} denied ({self._where()}): check the "
+                    "credentials (AWS environment variables, profile or instance role) and "
+                    "the bucket policy"
+                ) from e
+            raise self._error("head_bucket", None, e) from e
+        except BotoCoreError as e:
+            raise self._error("head_bucket", None, e) from e
+
+    def get(self, key: str) -> bytes | None:
+        """Fetch the object; a missing key is ``None`` (a missing bucket is an error)."""
+        name = self._key_prefix + validate_key(key)
+        try:
+            response = self._client().get_object(Bucket=self._bucket, Key=name)
+            body: bytes = response["Body"].read()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise self._error("get", key, e) from e
+        except BotoCoreError as e:
+            raise self._error("get", key, e) from e
+        return body
+
+    def set(self, key: str, value: bytes) -> None:
+        """One ``put_object``: S3 makes it atomic (readers see the old or new object whole)."""
+        name = self._key_prefix + validate_key(key)
+        try:
+            self._client().put_object(Bucket=self._bucket, Key=name, Body=value)
+        except (ClientError, BotoCoreError) as e:
+            raise self._error("set", key, e, may_have_happened=True) from e
+
+    def delete(self, key: str) -> int | None:
+        """``head_object`` for the size, then ``delete_object``.
+
+        Not atomic: two concurrent deletes of one key may both report its size.
+        """
+        name = self._key_prefix + validate_key(key)
+        client = self._client()
+        try:
+            try:
+                size: int = client.head_object(Bucket=self._bucket, Key=name)["ContentLength"]
+            except ClientError as e:
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                    return None
+                raise
+            client.delete_object(Bucket=self._bucket, Key=name)
+        except (ClientError, BotoCoreError) as e:
+            raise self._error("delete", key, e) from e
+        return size
+
+    def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
+        """Page through ``list_objects_v2``; objects whose names are not valid keys are skipped.
+
+        Skipping keeps GC from tripping over foreign objects under the prefix
+        (a console's ``folder/`` marker, say), as the file backend does.
+        """
+        start = len(self._key_prefix)
+        try:
+            paginator = self._client().get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._key_prefix + prefix):
+                for obj in page.get("Contents", ()):
+                    key = obj["Key"][start:]
+                    if _is_valid_key(key):
+                        yield BlobMeta(key, obj["Size"])
+        except (ClientError, BotoCoreError) as e:
+            raise self._error("list", prefix, e) from e
+
+
+def _is_valid_key(key: str) -> bool:
+    try:
+        validate_key(key)
+    except InvalidUsage:
+        return False
+    return True
+
+
+def _parse(uri: str) -> tuple[str, str, dict[str, str]]:
+    """Split ``uri`` into bucket, prefix and query parameters, rejecting anything odd.
+
+    Error messages quote only the scheme, bucket and path, never the query, and
+    a URI with an ``@`` anywhere is not quoted at all, so a pasted secret does
+    not end up in a log.
+    """
+    if "@" in uri:
+        # '@' is legal nowhere in our URIs (bucket, key prefix, our parameters), and
+        # where it appears it most likely ends a 'user:password@' part: do not echo.
+        raise InvalidUri(
+            "an s3:// blob URI must not embed credentials (it holds an '@'): use the "
+            "standard AWS chain (environment variables, profile or instance role)"
+        )
+    parts = urlsplit(uri)
+    shown = f"s3://{parts.netloc}{parts.path}"
+    if parts.scheme != "s3" or not _BUCKET_RE.match(parts.netloc) or parts.fragment:
+        raise InvalidUri(
+            f"invalid s3 blob URI {shown!r}: use s3://bucket/optional/prefix"
+            "?endpoint_url=...&region=..."
+        )
+    prefix = parts.path.strip("/")
+    if prefix:
+        try:
+            validate_key(prefix)
+        except InvalidUsage as e:
+            raise InvalidUri(f"invalid prefix in s3 blob URI {shown!r}: {e}") from e
+    params: dict[str, str] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in _PARAMS or name in params:
+            # Echo the name only when it looks like a parameter name, not a pasted secret.
+            which = repr(name) if _PARAM_NAME_RE.match(name) else "a"
+            raise InvalidUri(
+                f"unknown or repeated query parameter {which} in s3 blob URI {shown!r}: "
+                f"supported are {', '.join(_PARAMS)} (credentials never go in the URI)"
+            )
+        params[name] = value
+    for name in _FLOAT_PARAMS:
+        if name in params and not _is_positive(params[name], float):
+            raise InvalidUri(f"{name} in s3 blob URI {shown!r} must be a positive number")
+    if "max_attempts" in params and not _is_positive(params["max_attempts"], int):
+        raise InvalidUri(f"max_attempts in s3 blob URI {shown!r} must be a positive integer")
+    if "endpoint_url" in params:
+        endpoint = urlsplit(params["endpoint_url"])
+        if (
+            endpoint.scheme not in ("http", "https")
+            or not endpoint.hostname
+            or "@" in (endpoint.netloc)
+        ):
+            raise InvalidUri(
+                f"endpoint_url in s3 blob URI {shown!r} must be http(s)://host[:port] "
+                "with no credentials"
+            )
+    return parts.netloc, prefix, params
+
+
+def _is_positive(text: str, kind: type[float] | type[int]) -> bool:
+    try:
+        return kind(text) > 0
+    except ValueError:
+        return False

@@ -1,0 +1,237 @@
+"""The entry point: a client for one (Blob, Consensus) location and the shards in it."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+from pyspark_persist.state.blob import Blob, open_blob
+from pyspark_persist.state.cache import PROCESS_CACHE, StateCache
+from pyspark_persist.state.commands import create_shard
+from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.consensus import CaSCommitted, Consensus, VersionedData, open_consensus
+from pyspark_persist.state.diff import encode
+from pyspark_persist.state.errors import (
+    InvalidUsage,
+    SchemaMismatch,
+    ShardExists,
+    ShardNotFound,
+)
+from pyspark_persist.state.machine import DiffPublisher, Machine, Metrics, NoopPublisher
+from pyspark_persist.state.parts import (
+    decode_schema,
+    encode_schema,
+    schema_mismatch_message,
+    validate_schema,
+)
+from pyspark_persist.state.read import ReadHandle
+from pyspark_persist.state.state import ShardState, Time
+from pyspark_persist.state.write import WriteHandle
+
+HOME_ENV = "PERSIST_HOME"
+"""Environment variable naming the directory of the embedded default location."""
+
+_SHARD_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
+
+
+def default_home() -> str:
+    """The directory of the embedded default: ``$PERSIST_HOME`` or ``~/.pyspark-persist``."""
+    return os.path.abspath(
+        os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".pyspark-persist")
+    )
+
+
+def default_blob_uri() -> str:
+    """The embedded default Blob: files under :func:`default_home`."""
+    return f"file://{default_home()}/blob"
+
+
+def default_consensus_uri() -> str:
+    """The embedded default Consensus: a SQLite database under :func:`default_home`."""
+    return f"sqlite:///{default_home()}/consensus.db"
+
+
+def validate_shard_name(name: str) -> str:
+    """A shard name is its Blob prefix and Consensus key, so it may not contain '/' or '..'."""
+    if not isinstance(name, str) or not _SHARD_RE.match(name) or ".." in name:
+        raise InvalidUsage(
+            f"invalid shard name {name!r}: use 1-200 letters, digits, '_', '-' or '.', "
+            "starting with a letter or digit (no '/' and no '..')"
+        )
+    return name
+
+
+class PersistClient:
+    """Opens shards stored in one Blob and one Consensus. Thread-safe.
+
+    Example::
+
+        client = PersistClient.open()                       # the embedded default
+        shard = client.open_shard("events", pa.schema([("id", pa.int64())]))
+        shard.writer().append(pa.table({"id": [1, 2, 3]}))
+        print(shard.reader().snapshot_table())
+    """
+
+    def __init__(
+        self,
+        blob: Blob,
+        consensus: Consensus,
+        *,
+        config: PersistConfig | None = None,
+        publisher: DiffPublisher | None = None,
+        cache: StateCache | None = None,
+        clock_ms: Callable[[], int] | None = None,
+    ) -> None:
+        self.blob = blob
+        self.consensus = consensus
+        self.config = config or PersistConfig()
+        self.publisher: DiffPublisher = publisher or NoopPublisher()
+        self.metrics = Metrics()
+        self._cache = cache or PROCESS_CACHE
+        self._clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
+        self._machines: dict[str, Machine] = {}
+        self._lock = threading.Lock()
+        # Private in-memory stores all share the URI "mem://"; key their cache by object.
+        uri = consensus.uri
+        self._location = f"{uri}@{id(consensus)}" if uri.rstrip("/") == "mem:" else uri
+
+    @classmethod
+    def open(
+        cls,
+        blob: str | None = None,
+        consensus: str | None = None,
+        *,
+        config: PersistConfig | None = None,
+        publisher: DiffPublisher | None = None,
+    ) -> PersistClient:
+        """Open a client from two URIs; either defaults to the embedded default location."""
+        return cls(
+            open_blob(blob or default_blob_uri()),
+            open_consensus(consensus or default_consensus_uri()),
+            config=config,
+            publisher=publisher,
+        )
+
+    def machine(self, shard_id: str) -> Machine:
+        """The (one per client) machine applying commands to ``shard_id``."""
+        validate_shard_name(shard_id)
+        with self._lock:
+            m = self._machines.get(shard_id)
+            if m is None:
+                m = self._machines[shard_id] = Machine(
+                    shard_id,
+                    self.blob,
+                    self.consensus,
+                    self._cache.get(self._location, shard_id),
+                    self.config,
+                    self.metrics,
+                    self.publisher,
+                    self._clock_ms,
+                )
+            return m
+
+    def open_shard(
+        self, name: str, schema: pa.Schema | None = None, *, create: bool = True
+    ) -> Shard:
+        """Open shard ``name``, creating it with ``schema`` if it is new and ``create`` is set.
+
+        With a schema, an existing shard must have exactly that schema
+        (SchemaMismatch otherwise). Without one, the shard must exist.
+        """
+        machine = self.machine(name)
+        user_schema = None if schema is None else validate_schema(schema)
+        try:
+            state = machine.fetch_latest()
+        except ShardNotFound:
+            if user_schema is None or not create:
+                raise ShardNotFound(
+                    f"shard {name!r} does not exist in consensus {self.consensus.uri}: "
+                    + (
+                        "pass a schema to create it"
+                        if user_schema is None
+                        else "open it with create=True to create it"
+                    )
+                ) from None
+            state = self._create(machine, user_schema)
+        shard = Shard(self, machine, decode_schema(state.schema))
+        if user_schema is not None and not user_schema.equals(shard.schema):
+            raise SchemaMismatch(schema_mismatch_message(name, shard.schema, user_schema))
+        return shard
+
+    def create_shard(self, name: str, schema: pa.Schema) -> Shard:
+        """Create a new shard; ShardExists if the name is taken."""
+        machine = self.machine(name)
+        user_schema = validate_schema(schema)
+        try:
+            machine.fetch_latest()
+        except ShardNotFound:
+            self._create(machine, user_schema)
+            return Shard(self, machine, user_schema)
+        raise ShardExists(
+            f"shard {name!r} already exists in consensus {self.consensus.uri}: open it with "
+            "open_shard, or choose another name"
+        )
+
+    def _create(self, machine: Machine, schema: pa.Schema) -> ShardState:
+        diff = create_shard(machine.shard_id, encode_schema(schema), self._clock_ms())
+        row = VersionedData(diff.to_seqno, encode(diff))
+        res = self.consensus.compare_and_set(machine.shard_id, None, row)
+        if isinstance(res, CaSCommitted):
+            self.publisher.push(machine.shard_id, row)
+        # Committed or lost the race to a concurrent creator: either way it exists now.
+        return machine.fetch_latest()
+
+    def list_shards(self) -> list[str]:
+        """The names of every shard in this Consensus."""
+        return sorted(self.consensus.list_keys())
+
+    def close(self) -> None:
+        """Close the Blob and Consensus connections."""
+        self.blob.close()
+        self.consensus.close()
+
+    def __enter__(self) -> PersistClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Shard:
+    """A handle to one shard: its schema, frontiers, and factories for writers and readers."""
+
+    def __init__(self, client: PersistClient, machine: Machine, schema: pa.Schema) -> None:
+        self.client = client
+        self.machine = machine
+        self.schema = schema
+
+    @property
+    def name(self) -> str:
+        """The shard's name (its id in Blob and Consensus)."""
+        return self.machine.shard_id
+
+    def state(self) -> ShardState:
+        """The shard's newest state, read from Consensus now."""
+        return self.machine.fetch_latest()
+
+    @property
+    def upper(self) -> Time:
+        """Every time before the upper is final (read from Consensus now)."""
+        return self.state().upper
+
+    @property
+    def since(self) -> Time:
+        """Reads must be at or after the since (read from Consensus now)."""
+        return self.state().since
+
+    def writer(self, writer_id: str | None = None) -> WriteHandle:
+        """A writer; pass a stable ``writer_id`` to make commits idempotent across restarts."""
+        return WriteHandle(self.machine, self.schema, writer_id)
+
+    def reader(self) -> ReadHandle:
+        """A reader for snapshots, listens and subscribes."""
+        return ReadHandle(self.machine, self.schema)

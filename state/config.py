@@ -1,0 +1,57 @@
+"""The tunable knobs of a persist client, each a named constant with its default.
+
+Sizes follow persist's memory model: a writer holds at most
+``part_target_bytes * (2 * max_outstanding_parts + 1)`` bytes per batch
+builder and a reader at most about ``3 * part_target_bytes`` per snapshot or
+listen, whatever the size of the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pyspark_persist.state.errors import InvalidUsage
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    """Knobs shared by every handle of one client. Validated on construction."""
+
+    part_target_bytes: int = 64 * MiB
+    """B: a batch builder cuts a part once this many bytes of Arrow data are buffered."""
+    max_outstanding_parts: int = 2
+    """N: parts a batch builder encodes and uploads at once before ``add`` blocks."""
+    inline_write_max_bytes: int = 4096
+    """Writes whose encoded updates fit this are kept inline in state: no Blob round trip."""
+    inline_total_max_bytes: int = 1 * MiB
+    """Above this many inline bytes in state, writes go to Blob until compaction moves them."""
+    rollup_interval: int = 64
+    """A full state is written to Blob every this many SeqNos, so loading reads few diffs."""
+    retry_timeout_s: float = 60.0
+    """How long a command retries unavailable stores and lost races before giving up."""
+    listen_poll_min_s: float = 0.002
+    """First Consensus poll delay of a waiting listen once its in-process wake-up timed out."""
+    listen_poll_max_s: float = 0.1
+    """Longest delay between Consensus polls of an idle listen (the polling fallback)."""
+    read_batch_rows: int = 65536
+    """Rows per Arrow batch when a reader streams a part."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise InvalidUsage(f"persist config {f.name}={value!r} must be a positive number")
+        if self.listen_poll_min_s > self.listen_poll_max_s:
+            raise InvalidUsage("persist config listen_poll_min_s must be <= listen_poll_max_s")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> PersistConfig:
+        """Build from a dict of knob names; unknown names are an error listing the valid ones."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise InvalidUsage(f"unknown persist config {unknown}; valid ones: {sorted(known)}")
+        return cls(**options)

@@ -1,0 +1,84 @@
+"""Every exception persist raises, in one flat module.
+
+The classes say *whether the thing could have happened*, because that is what
+a caller needs to decide what to do next (the habit comes from persist's
+``ExternalError``):
+
+- :class:`Determinate`: the operation surely did not take effect. Retrying
+  anything is safe.
+- :class:`Indeterminate`: the operation may or may not have taken effect (a
+  timeout, a lost reply). Retry only idempotent work; a compare-and-append
+  carries an idempotency token for exactly this reason.
+- :class:`InvalidUsage`: the caller's bug (bad URI, bad frontier, schema
+  mismatch). Nothing was written; fix the call.
+
+Losing a compare-and-set race is *not* an error: it is a returned value
+(:class:`pyspark_persist.state.location.CaSMismatch`,
+:class:`pyspark_persist.state.write.UpperMismatch`).
+"""
+
+from __future__ import annotations
+
+
+class PersistError(Exception):
+    """Base class of every error raised by pyspark_persist."""
+
+
+class Determinate(PersistError):
+    """An external call surely did not take effect; retrying is safe."""
+
+
+class Indeterminate(PersistError):
+    """An external call may or may not have taken effect; retry only idempotent work."""
+
+
+class InvalidUsage(PersistError):
+    """The caller asked for something that cannot be done; nothing was written."""
+
+
+class InvalidUri(InvalidUsage):
+    """A Blob or Consensus URI is malformed or names an unknown scheme."""
+
+
+class StoreUnavailable(Determinate):
+    """A Blob or Consensus store could not be reached or opened."""
+
+
+class ShardNotFound(InvalidUsage):
+    """The named shard does not exist in this Consensus."""
+
+
+class ShardExists(InvalidUsage):
+    """The named shard already exists and the caller asked to create it fresh."""
+
+
+class SchemaMismatch(InvalidUsage):
+    """The schema given does not match the schema the shard was created with."""
+
+
+class InvalidFrontier(InvalidUsage):
+    """A time or frontier is outside what the shard allows (before since, at or past upper)."""
+
+
+class InvalidUpdates(InvalidUsage):
+    """Updates passed to a write are malformed (columns, types, times outside the batch)."""
+
+
+class PartNotFound(PersistError):
+    """A part key named in the shard's state (or by the caller) is missing from Blob."""
+
+
+class CorruptData(PersistError):
+    """Bytes read from Blob or Consensus could not be decoded: data corruption or a bug."""
+
+
+class IncompatibleVersion(CorruptData):
+    """State was written in an encoding format this version of pyspark_persist cannot read."""
+
+
+class LeaseExpired(InvalidUsage):
+    """A reader's lease expired (it stopped heartbeating); open a new reader."""
+
+
+class FencedOut(InvalidUsage):
+    """A critical since handle was superseded by one with a newer fencing token."""

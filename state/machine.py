@@ -1,0 +1,184 @@
+"""The loop that applies pure commands to a shard: compute, compare-and-set, retry, publish.
+
+:meth:`Machine.run` evaluates a command against the newest state this
+process knows, encodes the diff, and compare-and-sets it at the next SeqNo.
+A lost race re-reads the diffs it missed and evaluates the command again; an
+unavailable store or an unknown outcome is retried (with jittered backoff)
+for idempotent commands, whose re-evaluation against fresher state answers
+whether the earlier attempt landed. After a success the new state goes into
+the process's :class:`~pyspark_persist.state.cache.SharedState` (waking
+in-process listeners) and the diff is pushed, best effort, to PubSub.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from pyspark_persist.state.blob import Blob
+from pyspark_persist.state.cache import SharedState
+from pyspark_persist.state.commands import Apply, Refuse, add_rollup
+from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.consensus import CaSCommitted, Consensus, VersionedData
+from pyspark_persist.state.diff import encode
+from pyspark_persist.state.errors import Determinate, Indeterminate, ShardNotFound
+from pyspark_persist.state.state import ShardState
+from pyspark_persist.state.versions import load_state, write_rollup
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class DiffPublisher(Protocol):
+    """Where a committed diff is pushed for other processes (implemented by pubsub)."""
+
+    def push(self, shard_id: str, diff: VersionedData) -> None:
+        """Send ``diff`` to subscribers of ``shard_id``; must never block or raise."""
+
+
+class NoopPublisher:
+    """The publisher when PubSub is off: other processes learn of changes by polling."""
+
+    def push(self, shard_id: str, diff: VersionedData) -> None:
+        """Drop the diff."""
+
+
+@dataclass
+class Metrics:
+    """Counters a user (and the tests) can read to see what a client did."""
+
+    consensus_fetches: int = 0
+    cas_attempts: int = 0
+    cas_mismatches: int = 0
+    cas_retries_after_error: int = 0
+    commits: int = 0
+    rollups_written: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def incr(self, name: str, by: int = 1) -> None:
+        """Add ``by`` to the counter ``name`` (thread-safe)."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + by)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters as a plain dict."""
+        with self._lock:
+            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+class Machine:
+    """Applies commands to one shard of one client. Thread-safe; share it freely."""
+
+    def __init__(
+        self,
+        shard_id: str,
+        blob: Blob,
+        consensus: Consensus,
+        shared: SharedState,
+        config: PersistConfig,
+        metrics: Metrics,
+        publisher: DiffPublisher,
+        clock_ms: Callable[[], int],
+    ) -> None:
+        self.shard_id = shard_id
+        self.blob = blob
+        self.consensus = consensus
+        self.shared = shared
+        self.config = config
+        self.metrics = metrics
+        self.publisher = publisher
+        self.clock_ms = clock_ms
+
+    def state(self) -> ShardState:
+        """The newest state this process knows of, loading it on first use."""
+        state = self.shared.state
+        return state if state is not None else self.fetch_latest()
+
+    def fetch_latest(self) -> ShardState:
+        """Read the diffs this process has not seen from Consensus (a poll) and install them."""
+        self.metrics.incr("consensus_fetches")
+        state = load_state(self.shard_id, self.consensus, self.blob, self.shared.state)
+        if state is None:
+            raise ShardNotFound(
+                f"shard {self.shard_id!r} does not exist in consensus {self.consensus.uri}: "
+                "create it (open_shard with a schema and create=True) or check the name and URIs"
+            )
+        self.shared.update(state)
+        return self.shared.state or state
+
+    def run(
+        self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], *, idempotent: bool = True
+    ) -> R:
+        """Apply ``cmd`` until it is refused or its diff is committed; return its result.
+
+        A non-idempotent command whose compare-and-set outcome is unknown
+        re-raises :class:`Indeterminate` rather than risk applying twice.
+        """
+        deadline = time.monotonic() + self.config.retry_timeout_s
+        state = self.state()
+        attempt = 0
+        while True:
+            outcome = cmd(state)
+            if not isinstance(outcome, Apply):
+                return outcome.result
+            new_state = state.apply(outcome.diff)
+            row = VersionedData(new_state.seqno, encode(outcome.diff))
+            self.metrics.incr("cas_attempts")
+            try:
+                res = self.consensus.compare_and_set(self.shard_id, state.seqno, row)
+            except (Indeterminate, Determinate) as e:
+                if isinstance(e, Indeterminate) and not idempotent:
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                self.metrics.incr("cas_retries_after_error")
+                log.debug("shard %s: compare-and-set failed (%s); retrying", self.shard_id, e)
+                attempt += 1
+                self._backoff(attempt)
+                state = self._refetch_until(deadline)
+                continue
+            if isinstance(res, CaSCommitted):
+                self.metrics.incr("commits")
+                self.shared.update(new_state)
+                self.publisher.push(self.shard_id, row)
+                self._maybe_rollup(new_state)
+                return outcome.result
+            self.metrics.incr("cas_mismatches")
+            attempt += 1
+            if attempt > 2:
+                self._backoff(attempt - 2)
+            state = self._refetch_until(deadline)
+
+    def _refetch_until(self, deadline: float) -> ShardState:
+        """fetch_latest, retrying unavailable stores until the deadline."""
+        attempt = 0
+        while True:
+            try:
+                return self.fetch_latest()
+            except Determinate:
+                attempt += 1
+                if time.monotonic() > deadline:
+                    raise
+                self._backoff(attempt)
+
+    @staticmethod
+    def _backoff(attempt: int) -> None:
+        time.sleep(random.uniform(0, min(0.25, 0.001 * (2 ** min(attempt, 10)))))
+
+    def _maybe_rollup(self, state: ShardState) -> None:
+        """Write a rollup when the chain of diffs since the last one is long enough."""
+        last = max(state.rollups, default=0)
+        if state.seqno - last < self.config.rollup_interval:
+            return
+        try:
+            key = write_rollup(self.blob, state)
+            self.metrics.incr("rollups_written")
+            self.run(lambda s: add_rollup(s, seqno=state.seqno, key=key))
+        except Exception as e:  # noqa: BLE001 - a missed rollup is retried by the next commit
+            log.warning("shard %s: rollup at SeqNo %s failed: %s", self.shard_id, state.seqno, e)

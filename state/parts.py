@@ -1,0 +1,311 @@
+"""Parts: Arrow updates <-> the bytes persisted in Blob (Parquet) or inline in state (Arrow IPC).
+
+Every part holds the shard's row columns plus ``_time`` (uint64) and
+``_diff`` (int64). A part is written once under a fresh key and never
+changed; what a reader sees of it is further shaped by the part's
+``ts_rewrite`` and by the time bounds of the snapshot or listen that handed it
+out (a :class:`LeasedPart`), so one stored part serves every read.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyspark_persist.state.blob import Blob
+from pyspark_persist.state.errors import (
+    CorruptData,
+    InvalidUpdates,
+    InvalidUsage,
+    PartNotFound,
+    SchemaMismatch,
+)
+from pyspark_persist.state.state import PartRef, Time
+
+TIME = "_time"
+DIFF = "_diff"
+RESERVED = (TIME, DIFF)
+TIME_TYPE = pa.uint64()
+DIFF_TYPE = pa.int64()
+MAX_TIME = 2**64 - 1
+
+
+def validate_schema(schema: pa.Schema) -> pa.Schema:
+    """Check a user schema for shard creation: at least one column, no reserved names."""
+    if not isinstance(schema, pa.Schema):
+        raise InvalidUsage(
+            f"a shard schema must be a pyarrow.Schema, got {type(schema).__name__}"
+        )
+    if len(schema) == 0:
+        raise InvalidUsage("a shard schema needs at least one column")
+    clash = [n for n in schema.names if n in RESERVED]
+    if clash:
+        raise InvalidUsage(
+            f"column names {clash} are reserved for persist's update time and multiplicity; "
+            "rename those columns"
+        )
+    if len(set(schema.names)) != len(schema.names):
+        raise InvalidUsage(f"schema has duplicate column names: {schema.names}")
+    return schema.remove_metadata()
+
+
+def data_schema(schema: pa.Schema) -> pa.Schema:
+    """The schema of a part: the row columns, then ``_time`` and ``_diff``."""
+    return schema.append(pa.field(TIME, TIME_TYPE, nullable=False)).append(
+        pa.field(DIFF, DIFF_TYPE, nullable=False)
+    )
+
+
+def encode_schema(schema: pa.Schema) -> bytes:
+    """Serialize a schema for the shard's state."""
+    return bytes(schema.serialize().to_pybytes())
+
+
+def decode_schema(data: bytes) -> pa.Schema:
+    """Read a schema that :func:`encode_schema` wrote."""
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(data))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CorruptData(f"the shard's schema in state cannot be decoded: {e}") from e
+
+
+def schema_mismatch_message(shard: str, expected: pa.Schema, actual: pa.Schema) -> str:
+    """Say which columns differ between two schemas, so the user knows what to change."""
+    exp = {f.name: f.type for f in expected}
+    act = {f.name: f.type for f in actual}
+    problems = [f"missing column {n!r} ({t})" for n, t in exp.items() if n not in act]
+    problems += [f"unexpected column {n!r} ({t})" for n, t in act.items() if n not in exp]
+    problems += [
+        f"column {n!r} is {act[n]}, the shard has {t}"
+        for n, t in exp.items()
+        if n in act and act[n] != t
+    ]
+    if not problems and expected.names != actual.names:
+        problems.append(f"column order {actual.names} differs from the shard's {expected.names}")
+    return (
+        f"schema does not match shard {shard!r}: {'; '.join(problems)}. "
+        "Write with the shard's schema or use a new shard name"
+    )
+
+
+def conform_updates(
+    updates: pa.Table | pa.RecordBatch, schema: pa.Schema, shard: str
+) -> tuple[pa.Table, bool]:
+    """Check updates against the shard's schema and add missing ``_diff`` (+1).
+
+    Returns the table in part layout (``_time`` zero-filled when absent) and
+    whether the input carried its own ``_time`` column.
+    """
+    if isinstance(updates, pa.RecordBatch):
+        updates = pa.Table.from_batches([updates])
+    if not isinstance(updates, pa.Table):
+        raise InvalidUpdates(
+            f"updates must be a pyarrow.Table or RecordBatch, got {type(updates).__name__}"
+        )
+    has_time = TIME in updates.column_names
+    row_names = [n for n in updates.column_names if n not in RESERVED]
+    row_schema = pa.schema([updates.schema.field(n) for n in row_names])
+    if [(f.name, f.type) for f in row_schema] != [(f.name, f.type) for f in schema]:
+        if set(row_names) == set(schema.names) and all(
+            updates.schema.field(f.name).type == f.type for f in schema
+        ):
+            extra = [n for n in RESERVED if n in updates.column_names]
+            updates = updates.select([*schema.names, *extra])
+        else:
+            raise SchemaMismatch(schema_mismatch_message(shard, schema, row_schema))
+    n = updates.num_rows
+    time = _checked_column(updates, TIME, TIME_TYPE, pa.array([0] * n, TIME_TYPE) if n else None)
+    diff = _checked_column(updates, DIFF, DIFF_TYPE, pa.array([1] * n, DIFF_TYPE) if n else None)
+    columns = [updates.column(name) for name in schema.names]
+    if n == 0:
+        return data_schema(schema).empty_table(), has_time
+    table = pa.Table.from_arrays([*columns, time, diff], schema=data_schema(schema))
+    return table, has_time
+
+
+def _checked_column(
+    table: pa.Table, name: str, typ: pa.DataType, default: pa.Array | None
+) -> pa.ChunkedArray | pa.Array | None:
+    if name not in table.column_names:
+        return default
+    col = table.column(name)
+    if col.null_count:
+        raise InvalidUpdates(f"column {name!r} has {col.null_count} nulls; every update needs one")
+    if col.type == typ:
+        return col
+    if not pa.types.is_integer(col.type):
+        raise InvalidUpdates(f"column {name!r} must be an integer column ({typ}), got {col.type}")
+    try:
+        return pc.cast(col, typ, safe=True)
+    except pa.ArrowInvalid as e:
+        raise InvalidUpdates(f"column {name!r} does not fit {typ}: {e}") from e
+
+
+def time_bounds(table: pa.Table) -> tuple[Time, Time]:
+    """The smallest and largest ``_time`` of a non-empty part table."""
+    mm = pc.min_max(table.column(TIME))
+    return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
+def new_part_key(shard_id: str) -> str:
+    """A fresh, never reused Blob key for a part of ``shard_id``."""
+    return f"{shard_id}/part/{uuid.uuid4().hex}.parquet"
+
+
+def encode_parquet(table: pa.Table) -> bytes:
+    """Encode a part table as Parquet bytes (column statistics on, for pushed filters)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="snappy", write_statistics=True)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def encode_inline(table: pa.Table) -> bytes:
+    """Encode a tiny part as an Arrow IPC stream, cheap enough to live in a state diff."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+@dataclass(frozen=True)
+class LeasedPart:
+    """A part handed out by a snapshot or listen, with everything a remote process needs.
+
+    The reader keeps updates with ``lower <= time < upper`` (after the part's
+    ``ts_rewrite``) and, for a snapshot, advances every time to ``as_of``.
+    ``seqno`` is the SeqNo of the state the part was read from: the holder of
+    the lease on it keeps GC from deleting the part until it is returned.
+    """
+
+    shard_id: str
+    blob_uri: str
+    part: PartRef
+    lower: Time
+    upper: Time
+    as_of: Time | None
+    seqno: int
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for shipping to another process (a Spark InputPartition)."""
+        return {
+            "shard": self.shard_id,
+            "blob": self.blob_uri,
+            "part": self.part.to_json(),
+            "lower": self.lower,
+            "upper": self.upper,
+            "as_of": self.as_of,
+            "seqno": self.seqno,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LeasedPart:
+        """Decode what :meth:`to_json` produced."""
+        return cls(
+            shard_id=str(d["shard"]),
+            blob_uri=str(d["blob"]),
+            part=PartRef.from_json(d["part"]),
+            lower=int(d["lower"]),
+            upper=int(d["upper"]),
+            as_of=None if d.get("as_of") is None else int(d["as_of"]),
+            seqno=int(d["seqno"]),
+        )
+
+    @property
+    def needs_filter(self) -> bool:
+        """False when every update of the part is inside the bounds (the common case)."""
+        return not (
+            self.lower <= self.part.effective_min_time and self.part.effective_max_time < self.upper
+        )
+
+
+def fetch_part_bytes(blob: Blob, part: PartRef, shard_id: str) -> bytes:
+    """The stored bytes of a part; PartNotFound when Blob no longer has it."""
+    if part.inline is not None:
+        return part.inline
+    assert part.key is not None
+    data = blob.get(part.key)
+    if data is None:
+        raise PartNotFound(
+            f"part {part.key!r} of shard {shard_id!r} is missing from blob {blob.uri}: it was "
+            "deleted by GC (read with a lease, or from a newer as_of) or the blob store is wrong"
+        )
+    return data
+
+
+def decode_part(part: PartRef, data: bytes, shard_id: str) -> pa.Table:
+    """Decode a part's bytes into its Arrow table (no bounds or rewrite applied)."""
+    try:
+        if part.inline is not None:
+            return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+        return pq.read_table(pa.BufferReader(data))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CorruptData(
+            f"part {part.key or '(inline)'} of shard {shard_id!r} cannot be decoded: {e}"
+        ) from e
+
+
+def shape_updates(table: pa.Table | pa.RecordBatch, leased: LeasedPart) -> pa.Table:
+    """Apply a leased part's ts_rewrite, time bounds and as_of to decoded updates."""
+    if isinstance(table, pa.RecordBatch):
+        table = pa.Table.from_batches([table])
+    part = leased.part
+    if part.ts_rewrite is not None and part.min_time < part.ts_rewrite:
+        times = pc.max_element_wise(table.column(TIME), pa.scalar(part.ts_rewrite, TIME_TYPE))
+        table = table.set_column(table.schema.get_field_index(TIME), TIME, times)
+    if leased.needs_filter:
+        t = table.column(TIME)
+        mask = pc.and_(
+            pc.greater_equal(t, pa.scalar(leased.lower, TIME_TYPE)),
+            pc.less(t, pa.scalar(leased.upper, TIME_TYPE)),
+        )
+        table = table.filter(mask)
+    if leased.as_of is not None:
+        times = pa.array([leased.as_of] * table.num_rows, TIME_TYPE)
+        table = table.set_column(table.schema.get_field_index(TIME), TIME, times)
+    return table
+
+
+def read_leased_part(blob: Blob, leased: LeasedPart) -> pa.Table:
+    """Fetch, decode and shape one leased part in full."""
+    data = fetch_part_bytes(blob, leased.part, leased.shard_id)
+    return shape_updates(decode_part(leased.part, data, leased.shard_id), leased)
+
+
+def iter_leased_part(
+    blob: Blob, leased: LeasedPart, batch_rows: int = 65536
+) -> Iterator[pa.Table]:
+    """Fetch one leased part and yield it in shaped slices of at most ``batch_rows`` rows.
+
+    Decoding goes row group by row group, so a reader holds the part's bytes
+    plus one slice, not the whole decoded part.
+    """
+    data = fetch_part_bytes(blob, leased.part, leased.shard_id)
+    if leased.part.inline is not None:
+        yield shape_updates(decode_part(leased.part, data, leased.shard_id), leased)
+        return
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        for rb in pf.iter_batches(batch_size=batch_rows):
+            yield shape_updates(rb, leased)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CorruptData(
+            f"part {leased.part.key} of shard {leased.shard_id!r} cannot be decoded: {e}"
+        ) from e
+
+
+def consolidate(table: pa.Table, row_columns: list[str]) -> pa.Table:
+    """Sum ``_diff`` of equal (row, time) and drop the zeros: the multiset the updates denote."""
+    if table.num_rows == 0:
+        return table
+    keys = [*row_columns, TIME]
+    grouped = table.group_by(keys, use_threads=False).aggregate([(DIFF, "sum")])
+    out = pa.Table.from_arrays(
+        [*(grouped.column(k) for k in keys), grouped.column(f"{DIFF}_sum")],
+        schema=table.schema,
+    )
+    return out.filter(pc.not_equal(out.column(DIFF), 0))

@@ -1,0 +1,312 @@
+"""The shard's state as plain frozen values, with no I/O.
+
+A :class:`ShardState` is what one Consensus SeqNo says the shard is: its
+schema, its frontiers, its trace of batches, and the registered writers and
+readers. It never changes in place; every change is a :class:`StateDiff`
+(see :mod:`pyspark_persist.state.diff`) computed by a pure command and
+applied with :meth:`ShardState.apply`, and the same diff is what Consensus
+stores and PubSub pushes, so a process that applies the diffs it receives
+ends up with exactly the state the writer computed.
+
+Invariants (checked by :meth:`ShardState.check_invariants` in tests):
+
+- ``seqno`` increases by one with every diff;
+- ``since <= upper``; ``upper`` only advances; ``since`` only advances;
+- the batches tile ``[0, upper)``: sorted by ``lower``, each one's ``lower``
+  is the previous one's ``upper``, none is empty (``lower < upper``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from pyspark_persist.state.errors import CorruptData
+
+if TYPE_CHECKING:
+    from pyspark_persist.state.diff import StateDiff
+
+Time = int
+"""An update's time: an unsigned 64-bit integer (milliseconds since the epoch for Spark writes)."""
+
+EMPTY_MAP: Mapping[Any, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """One immutable run of updates: a Parquet object in Blob, or tiny Arrow IPC bytes inline.
+
+    ``min_time``/``max_time`` are the stored times; when ``ts_rewrite`` is set,
+    every time is read as ``max(time, ts_rewrite)``. That is how a part staged
+    before its commit time was known (the Spark sink) gets its final time
+    without rewriting data: the commit records the time, the bytes never change.
+    """
+
+    key: str | None
+    inline: bytes | None
+    size_bytes: int
+    rows: int
+    min_time: Time
+    max_time: Time
+    ts_rewrite: Time | None = None
+
+    @property
+    def effective_min_time(self) -> Time:
+        """The smallest time a reader sees in this part."""
+        return self.min_time if self.ts_rewrite is None else max(self.min_time, self.ts_rewrite)
+
+    @property
+    def effective_max_time(self) -> Time:
+        """The largest time a reader sees in this part."""
+        return self.max_time if self.ts_rewrite is None else max(self.max_time, self.ts_rewrite)
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for state diffs, rollups and the wire (inline bytes as base64)."""
+        from base64 import b64encode
+
+        out: dict[str, Any] = {
+            "size": self.size_bytes,
+            "rows": self.rows,
+            "tmin": self.min_time,
+            "tmax": self.max_time,
+        }
+        if self.key is not None:
+            out["key"] = self.key
+        if self.inline is not None:
+            out["inline"] = b64encode(self.inline).decode("ascii")
+        if self.ts_rewrite is not None:
+            out["tsr"] = self.ts_rewrite
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PartRef:
+        """Decode what :meth:`to_json` produced."""
+        from base64 import b64decode
+
+        try:
+            inline = d.get("inline")
+            return cls(
+                key=d.get("key"),
+                inline=None if inline is None else b64decode(inline),
+                size_bytes=int(d["size"]),
+                rows=int(d["rows"]),
+                min_time=int(d["tmin"]),
+                max_time=int(d["tmax"]),
+                ts_rewrite=None if d.get("tsr") is None else int(d["tsr"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptData(f"malformed part reference {dict(d)!r}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The updates of the time interval ``[lower, upper)``, as zero or more parts.
+
+    ``since`` says times below it were advanced to it by compaction, so the
+    batch answers reads only at or past ``since``.
+    """
+
+    lower: Time
+    upper: Time
+    since: Time
+    parts: tuple[PartRef, ...]
+
+    @property
+    def key(self) -> str:
+        """The batch's name in state: batches tile the time line, so its interval is unique."""
+        return f"{self.lower}-{self.upper}"
+
+    @property
+    def rows(self) -> int:
+        """Updates in the batch (before consolidation)."""
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def size_bytes(self) -> int:
+        """Encoded bytes of the batch's parts."""
+        return sum(p.size_bytes for p in self.parts)
+
+    @property
+    def inline_bytes(self) -> int:
+        """Bytes of the batch held inline in state rather than in Blob."""
+        return sum(p.size_bytes for p in self.parts if p.inline is not None)
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for state diffs and rollups."""
+        return {
+            "lower": self.lower,
+            "upper": self.upper,
+            "since": self.since,
+            "parts": [p.to_json() for p in self.parts],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Batch:
+        """Decode what :meth:`to_json` produced."""
+        try:
+            return cls(
+                lower=int(d["lower"]),
+                upper=int(d["upper"]),
+                since=int(d["since"]),
+                parts=tuple(PartRef.from_json(p) for p in d["parts"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptData(f"malformed batch {dict(d)!r}: {e}") from e
+
+
+@dataclass(frozen=True)
+class WriterState:
+    """What state remembers about a writer: the last idempotency token it committed."""
+
+    last_token: int
+    last_heartbeat_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for state diffs and rollups."""
+        return {"token": self.last_token, "hb": self.last_heartbeat_ms}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> WriterState:
+        """Decode what :meth:`to_json` produced."""
+        return cls(last_token=int(d["token"]), last_heartbeat_ms=int(d["hb"]))
+
+
+@dataclass(frozen=True)
+class LeasedReaderState:
+    """A reader whose since hold and SeqNo holds last only while it heartbeats.
+
+    ``seqno_holds`` lists SeqNos whose parts the reader has handed out and may
+    still fetch (snapshot splits on other processes, listen ranges); GC keeps
+    everything any state at or after the smallest of them references.
+    """
+
+    since: Time
+    last_heartbeat_ms: int
+    lease_duration_ms: int
+    seqno_holds: tuple[int, ...] = ()
+
+    @property
+    def expires_at_ms(self) -> int:
+        """Wall-clock millisecond after which anyone may expire this reader."""
+        return self.last_heartbeat_ms + self.lease_duration_ms
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for state diffs and rollups."""
+        return {
+            "since": self.since,
+            "hb": self.last_heartbeat_ms,
+            "lease": self.lease_duration_ms,
+            "seqnos": list(self.seqno_holds),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LeasedReaderState:
+        """Decode what :meth:`to_json` produced."""
+        return cls(
+            since=int(d["since"]),
+            last_heartbeat_ms=int(d["hb"]),
+            lease_duration_ms=int(d["lease"]),
+            seqno_holds=tuple(int(s) for s in d.get("seqnos", ())),
+        )
+
+
+@dataclass(frozen=True)
+class CriticalReaderState:
+    """A since hold that never expires; only the holder of the newest ``opaque`` may move it."""
+
+    since: Time
+    opaque: int
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for state diffs and rollups."""
+        return {"since": self.since, "opaque": self.opaque}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CriticalReaderState:
+        """Decode what :meth:`to_json` produced."""
+        return cls(since=int(d["since"]), opaque=int(d["opaque"]))
+
+
+MAP_CODECS: dict[str, Any] = {
+    "batches": Batch,
+    "writers": WriterState,
+    "leased_readers": LeasedReaderState,
+    "critical_readers": CriticalReaderState,
+}
+"""The map-valued fields of ShardState and the type of their values (rollups map int->str)."""
+
+SCALARS: tuple[str, ...] = ("shard_id", "schema", "since", "upper", "created_ms", "last_gc_seqno")
+"""The scalar fields of ShardState that a diff may set (seqno is the diff's own)."""
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """The shard at one SeqNo. Immutable; see the module doc for its invariants."""
+
+    shard_id: str
+    seqno: int
+    schema: bytes
+    since: Time
+    upper: Time
+    created_ms: int = 0
+    last_gc_seqno: int = 0
+    batches: Mapping[str, Batch] = field(default_factory=lambda: EMPTY_MAP)
+    writers: Mapping[str, WriterState] = field(default_factory=lambda: EMPTY_MAP)
+    leased_readers: Mapping[str, LeasedReaderState] = field(default_factory=lambda: EMPTY_MAP)
+    critical_readers: Mapping[str, CriticalReaderState] = field(default_factory=lambda: EMPTY_MAP)
+    rollups: Mapping[int, str] = field(default_factory=lambda: EMPTY_MAP)
+
+    @cached_property
+    def trace(self) -> tuple[Batch, ...]:
+        """The batches sorted by ``lower``: they tile ``[0, upper)``."""
+        return tuple(sorted(self.batches.values(), key=lambda b: b.lower))
+
+    @cached_property
+    def inline_bytes(self) -> int:
+        """Bytes of update data held inline in state (bounded by the writer's knob)."""
+        return sum(b.inline_bytes for b in self.batches.values())
+
+    @cached_property
+    def seqno_since(self) -> int:
+        """The oldest SeqNo any reader may still fetch parts of: GC keeps what it references."""
+        holds = [s for r in self.leased_readers.values() for s in r.seqno_holds]
+        return min(holds, default=self.seqno)
+
+    def apply(self, diff: StateDiff) -> ShardState:
+        """Return the state after ``diff``; refuses a diff that does not follow this SeqNo."""
+        if diff.from_seqno != self.seqno:
+            raise CorruptData(
+                f"state diff for shard {self.shard_id!r} goes from SeqNo {diff.from_seqno} "
+                f"but the state is at SeqNo {self.seqno}"
+            )
+        changes: dict[str, Any] = dict(diff.scalars)
+        for name, (puts, dels) in diff.maps.items():
+            current = getattr(self, name)
+            updated = {k: v for k, v in current.items() if k not in dels}
+            updated.update(puts)
+            changes[name] = MappingProxyType(updated)
+        return replace(self, seqno=diff.to_seqno, **changes)
+
+    def check_invariants(self) -> None:
+        """Raise CorruptData when the state breaks an invariant from the module doc."""
+        if self.since > self.upper:
+            raise CorruptData(f"shard {self.shard_id!r}: since {self.since} > upper {self.upper}")
+        expected_lower = 0
+        for batch in self.trace:
+            if batch.lower != expected_lower or batch.upper <= batch.lower:
+                raise CorruptData(
+                    f"shard {self.shard_id!r}: batch [{batch.lower}, {batch.upper}) does not "
+                    f"follow the previous upper {expected_lower}"
+                )
+            expected_lower = batch.upper
+        if expected_lower != self.upper:
+            raise CorruptData(
+                f"shard {self.shard_id!r}: batches end at {expected_lower}, upper is {self.upper}"
+            )
+
+
+EMPTY_STATE = ShardState(shard_id="", seqno=0, schema=b"", since=0, upper=0)
+"""The state before SeqNo 1: the creation diff (and every rollup) applies to it."""

@@ -1,0 +1,451 @@
+"""The Blob contract, run against every backend (mem, file, s3 on moto), plus URI errors.
+
+Persist relies on exactly these properties: a missing key reads as ``None``, a
+set is atomic (a reader sees the old or new bytes whole), delete is idempotent
+and reports the bytes freed, ``list_keys`` shows every key and nothing else
+(temp files never), and a Blob reopened from its ``uri`` sees the same data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from blob_fixtures import MOTO_BUCKET
+from pyspark_persist.state.blob import Blob, open_blob
+from pyspark_persist.state.errors import (
+    Indeterminate,
+    InvalidUri,
+    InvalidUsage,
+    StoreUnavailable,
+)
+
+MIB = 1 << 20
+
+
+def listed(blob: Blob, prefix: str = "") -> dict[str, int]:
+    return {meta.key: meta.size_bytes for meta in blob.list_keys(prefix)}
+
+
+def backend(blob: Blob) -> str:
+    return blob.uri.partition("://")[0]
+
+
+# --- the contract -------------------------------------------------------------------------
+
+
+def test_get_missing_is_none(blob: Blob) -> None:
+    assert blob.get("nope") is None
+    assert blob.get("no/such/key") is None
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 * MIB], ids=["empty", "one-byte", "5MiB"])
+def test_set_get_roundtrip(blob: Blob, size: int) -> None:
+    value = os.urandom(size)
+    blob.set("k", value)
+    assert blob.get("k") == value
+    assert listed(blob) == {"k": size}
+
+
+def test_overwrite(blob: Blob) -> None:
+    blob.set("k", b"first")
+    blob.set("k", b"second, longer")
+    assert blob.get("k") == b"second, longer"
+    assert listed(blob) == {"k": len(b"second, longer")}
+
+
+def test_delete_returns_size_then_none(blob: Blob) -> None:
+    blob.set("k", b"12345")
+    assert blob.delete("k") == 5
+    assert blob.get("k") is None
+    assert blob.delete("k") is None
+    assert blob.delete("never-was") is None
+    assert listed(blob) == {}
+
+
+def test_list_keys_with_and_without_prefix(blob: Blob) -> None:
+    keys = {
+        "shard-a/part-1": b"x" * 10,
+        "shard-a/part-2": b"y" * 20,
+        "shard-a/rollup/v1": b"z" * 3,
+        "shard-ab/part-1": b"",
+        "shard-b/part-1": b"w" * 7,
+        "top": b"t",
+    }
+    for key, value in keys.items():
+        blob.set(key, value)
+    sizes = {key: len(value) for key, value in keys.items()}
+
+    def expect(prefix: str) -> dict[str, int]:
+        return {k: v for k, v in sizes.items() if k.startswith(prefix)}
+
+    assert listed(blob) == sizes
+    for prefix in [
+        "shard-a/",
+        "shard-a",
+        "shard-a/part",
+        "shard-a/rollup/",
+        "shard-a/rollup/v",
+        "shard-",
+        "t",
+        "missing/",
+        "missing",
+        "shard-a/part-1",
+        "shard-a//",
+        "../",
+    ]:
+        assert listed(blob, prefix) == expect(prefix), prefix
+
+
+def test_keys_with_slashes(blob: Blob) -> None:
+    blob.set("a/b/c/d", b"deep")
+    blob.set("a/e", b"shallow")
+    assert blob.get("a/b/c/d") == b"deep"
+    assert blob.get("a/e") == b"shallow"
+    assert blob.get("a/b") is None  # a "directory" is not a key
+    assert blob.delete("a/b") is None
+    assert listed(blob, "a/b/") == {"a/b/c/d": 4}
+
+
+@pytest.mark.parametrize(
+    "key", ["../x", "/abs", "a//b", "a/./b", "a/../b", "..", ".", "", "a/", "sp ace", "a\\b"]
+)
+def test_invalid_keys_rejected_before_writing(blob: Blob, key: str, tmp_path: Path) -> None:
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(InvalidUsage):
+        blob.set(key, b"escaped?")
+    with pytest.raises(InvalidUsage):
+        blob.get(key)
+    with pytest.raises(InvalidUsage):
+        blob.delete(key)
+    assert listed(blob) == {}
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_concurrent_sets_of_distinct_keys_all_land(blob: Blob) -> None:
+    values = {f"t{i}/part-{j}": os.urandom(1000 + i * 10 + j) for i in range(8) for j in range(8)}
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+    seen_while_writing: set[str] = set()
+
+    def writer(i: int) -> None:
+        try:
+            barrier.wait()
+            for j in range(8):
+                key = f"t{i}/part-{j}"
+                blob.set(key, values[key])
+                seen_while_writing.update(listed(blob))
+        except BaseException as e:  # surfaced below; a thread cannot fail the test itself
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    # Listing mid-write shows finished keys only: never a temp file or other litter.
+    assert seen_while_writing <= set(values)
+    assert listed(blob) == {key: len(value) for key, value in values.items()}
+    for key, value in values.items():
+        assert blob.get(key) == value
+
+
+def test_reader_never_sees_a_partial_value(blob: Blob) -> None:
+    old, new = b"o" * (2 * MIB), b"n" * (2 * MIB + 1)
+    blob.set("k", old)
+    stop = threading.Event()
+    reads: list[bytes | None] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            reads.append(blob.get("k"))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(8):
+            blob.set("k", new if i % 2 == 0 else old)
+    finally:
+        stop.set()
+        thread.join()
+    assert reads
+    assert all(value == old or value == new for value in reads)
+
+
+def test_reopen_from_uri_sees_same_data(blob: Blob) -> None:
+    blob.set("shard/part", b"payload")
+    other = open_blob(blob.uri)
+    try:
+        assert other is not blob
+        assert other.uri == blob.uri
+        assert other.get("shard/part") == b"payload"
+        other.set("shard/from-other", b"2")
+        assert blob.get("shard/from-other") == b"2"
+    finally:
+        other.close()
+
+
+def test_forked_child_writes_through_its_own_client(blob: Blob) -> None:
+    """Spark's Python workers fork: a Blob inherited by a child must keep working."""
+    if backend(blob) == "mem":
+        pytest.skip("a mem:// store is per process by design")
+    blob.set("parent", b"p")  # the parent's client (if any) now exists and is inherited
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only, never through pytest
+        code = 1
+        try:
+            blob.set("child", b"from the child")
+            code = 0 if blob.get("parent") == b"p" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert blob.get("child") == b"from the child"
+
+
+# --- backend specifics --------------------------------------------------------------------
+
+
+def test_mem_named_stores_are_shared_and_anonymous_ones_private() -> None:
+    name = uuid.uuid4().hex
+    first, second = open_blob(f"mem://{name}"), open_blob(f"mem://{name}")
+    first.set("k", b"v")
+    assert second.get("k") == b"v"
+    private = open_blob("mem://")
+    private.set("k", b"mine")
+    assert private.uri == "mem://"
+    assert open_blob("mem://").get("k") is None
+    assert open_blob(f"mem://{uuid.uuid4().hex}").get("k") is None
+
+
+def test_file_temp_files_are_never_listed_and_failed_sets_leave_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blob = open_blob(f"file://{tmp_path}/blob")
+    blob.set("shard/part-1", b"whole")
+    # What a crash between write and rename leaves behind:
+    (tmp_path / "blob" / "shard" / ".tmp~deadbeef").write_bytes(b"half")
+    (tmp_path / "blob" / ".tmp~cafe").write_bytes(b"half")
+    assert listed(blob) == {"shard/part-1": 5}
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(StoreUnavailable, match="No space left"):
+        blob.set("shard/part-2", b"never")
+    with pytest.raises(StoreUnavailable):
+        blob.set("shard/part-1", b"overwrite fails")
+    monkeypatch.undo()
+    assert blob.get("shard/part-1") == b"whole"
+    assert sorted(p.name for p in (tmp_path / "blob" / "shard").iterdir()) == [
+        ".tmp~deadbeef",
+        "part-1",
+    ]
+
+
+def test_file_key_that_is_also_a_directory_is_invalid_usage(tmp_path: Path) -> None:
+    blob = open_blob(f"file://{tmp_path}/blob")
+    blob.set("a/b", b"1")
+    with pytest.raises(InvalidUsage, match="collides"):
+        blob.set("a", b"2")
+    with pytest.raises(InvalidUsage, match="collides"):
+        blob.set("a/b/c", b"3")
+    assert blob.get("a") is None
+    assert blob.get("a/b/c") is None
+    assert listed(blob) == {"a/b": 1}
+
+
+def test_file_uri_naming_a_regular_file_is_invalid(tmp_path: Path) -> None:
+    path = tmp_path / "afile"
+    path.write_bytes(b"")
+    with pytest.raises(InvalidUri) as info:
+        open_blob(f"file://{path}")
+    assert f"file://{path}" in str(info.value)
+    assert "file:///absolute/path" in str(info.value)
+
+
+def test_file_root_that_cannot_be_created_is_unavailable(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_bytes(b"")
+    root = tmp_path / "afile" / "blob"
+    with pytest.raises(StoreUnavailable) as info:
+        open_blob(f"file://{root}")
+    assert str(root) in str(info.value)
+
+
+# --- URI and store errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "nope",
+        "ftp://x",
+        "file://relative",
+        "file://relative/path",
+        "file://",
+        "s3://",
+        "s3:///prefix",
+        "s3://bucket:9000/p",
+        "s3://bucket/a//b",
+        "s3://bucket/p?bogus=1",
+        "s3://bucket/p?connect_timeout=soon",
+        "s3://bucket/p?max_attempts=0",
+        "s3://bucket/p?endpoint_url=ftp://host",
+        "mem://bad name",
+        "mem://a/b",
+    ],
+)
+def test_malformed_uri_is_invalid(uri: str) -> None:
+    with pytest.raises(InvalidUri):
+        open_blob(uri)
+
+
+def test_relative_file_uri_message_says_how_to_fix() -> None:
+    with pytest.raises(InvalidUri) as info:
+        open_blob("file://relative/path")
+    assert "file://relative/path" in str(info.value)
+    assert "file:///absolute/path" in str(info.value)
+
+
+SECRET_ID = "AKIASENTINEL0KEYID123"
+SECRET_KEY = "sentinel/Secret+Access+Key/do-not-log"
+
+
+@pytest.fixture
+def sentinel_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials that must never show up in an error (moto accepts any)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", SECRET_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+
+
+def assert_no_secrets(error: BaseException) -> None:
+    text = "".join(traceback.format_exception(error))
+    assert SECRET_ID not in text
+    assert SECRET_KEY not in text
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        f"s3://{SECRET_ID}:{SECRET_KEY}@bucket/p",
+        f"s3://bucket/p?aws_secret_access_key={SECRET_KEY}",
+        f"s3://bucket/p?endpoint_url=http://{SECRET_ID}:{SECRET_KEY}@127.0.0.1:1",
+    ],
+    ids=["userinfo", "query", "endpoint-userinfo"],
+)
+def test_secrets_in_s3_uri_are_rejected_without_echo(uri: str) -> None:
+    with pytest.raises(InvalidUri) as info:
+        open_blob(uri)
+    assert_no_secrets(info.value)
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.usefixtures("sentinel_credentials")
+def test_s3_endpoint_nobody_listens_on_is_unavailable_quickly() -> None:
+    endpoint = f"http://127.0.0.1:{free_loopback_port()}"
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        open_blob(
+            f"s3://bucket/p?endpoint_url={endpoint}&region=us-east-1"
+            "&connect_timeout=1&max_attempts=1"
+        )
+    assert time.monotonic() - start < 5
+    assert endpoint in str(info.value)
+    assert_no_secrets(info.value)
+
+
+@pytest.mark.usefixtures("sentinel_credentials")
+def test_s3_missing_bucket_is_unavailable_and_names_the_fix(moto_server: str) -> None:
+    bucket = f"missing-{uuid.uuid4().hex[:12]}"
+    with pytest.raises(StoreUnavailable) as info:
+        open_blob(f"s3://{bucket}/p?endpoint_url={moto_server}&region=us-east-1")
+    assert bucket in str(info.value)
+    assert "create it" in str(info.value)
+    assert_no_secrets(info.value)
+
+
+def test_s3_uri_is_canonical_and_reopenable(moto_server: str) -> None:
+    blob = open_blob(
+        f"s3://{MOTO_BUCKET}/a/b/?region=us-east-1&endpoint_url={moto_server}&max_attempts=2"
+    )
+    assert blob.uri == (
+        f"s3://{MOTO_BUCKET}/a/b?endpoint_url={moto_server.replace(':', '%3A').replace('/', '%2F')}"
+        "&region=us-east-1&max_attempts=2"
+    )
+    assert open_blob(blob.uri).uri == blob.uri
+
+
+class _SilentAfterHead(BaseHTTPRequestHandler):
+    """Answers ``head_bucket``, then swallows every other request without replying."""
+
+    server: _HangingServer
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_PUT(self) -> None:
+        self.server.release.wait(30)
+
+    do_GET = do_PUT
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Keep the test output clean."""
+
+
+class _HangingServer(ThreadingHTTPServer):
+    daemon_threads = True
+    release: threading.Event  # set at teardown so the stuck handlers can finish
+
+
+@pytest.fixture
+def hanging_endpoint() -> Iterator[str]:
+    """An S3 look-alike whose replies to reads and writes are lost."""
+    server = _HangingServer(("127.0.0.1", 0), _SilentAfterHead)
+    server.release = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.usefixtures("sentinel_credentials")
+def test_s3_lost_reply_to_set_is_indeterminate_and_to_get_unavailable(
+    hanging_endpoint: str,
+) -> None:
+    blob = open_blob(
+        f"s3://bucket/p?endpoint_url={hanging_endpoint}&region=us-east-1"
+        "&read_timeout=0.3&max_attempts=1"
+    )
+    try:
+        with pytest.raises(Indeterminate) as lost:
+            blob.set("k", b"v")
+        assert_no_secrets(lost.value)
+        with pytest.raises(StoreUnavailable) as failed:
+            blob.get("k")
+        assert_no_secrets(failed.value)
+        with pytest.raises(StoreUnavailable):
+            list(blob.list_keys())
+    finally:
+        blob.close()
