@@ -1,0 +1,118 @@
+"""Consensus: a linearizable log of versioned values per key (the shard's state).
+
+Each shard's state lives under one key as a sequence of rows, one per SeqNo,
+each holding an encoded state diff. The only way to add a row is
+:meth:`Consensus.compare_and_set`, which succeeds only if the caller's idea of
+the current head is right; that single primitive is what makes every state
+transition of a shard linearizable, across threads, processes and machines.
+
+Contract:
+
+- ``head(key)``: the row with the largest SeqNo, or ``None`` for a new key.
+- ``compare_and_set(key, expected, new)``: appends ``new`` iff the current head
+  SeqNo is ``expected`` (``None``: the key has no rows) and ``new.seqno`` is
+  greater than ``expected``. Returns :class:`CaSCommitted` or
+  :class:`CaSMismatch` (a lost race is a value, not an exception). ``new.seqno``
+  must be exactly ``expected + 1`` (1 for a new key), so two racers always
+  contend for the same primary key and at most one can win. Raises
+  :class:`~pyspark_persist.state.errors.Indeterminate` if it cannot tell.
+- ``scan(key, from_seqno, limit)``: rows with SeqNo >= ``from_seqno`` in order.
+- ``truncate(key, seqno)``: deletes rows with SeqNo < ``seqno``; refuses (raises
+  InvalidUsage) to delete the head. Returns the number deleted.
+
+Backends, by URI scheme, through :func:`open_consensus`: ``sqlite:///path``
+(the embedded default), ``postgresql://...`` (psycopg 3 through SQLAlchemy,
+one round trip per compare-and-set) and ``mem://name``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from pyspark_persist.state.errors import InvalidUri
+
+SeqNo = int
+"""A shard state's version: starts at 1 and increases by one with every change."""
+
+
+@dataclass(frozen=True)
+class VersionedData:
+    """One Consensus row: the encoded state diff that produced version ``seqno``."""
+
+    seqno: SeqNo
+    data: bytes
+
+
+@dataclass(frozen=True)
+class CaSCommitted:
+    """compare_and_set appended the new row."""
+
+
+@dataclass(frozen=True)
+class CaSMismatch:
+    """compare_and_set lost a race: ``current`` is the head it found (``None``: no rows)."""
+
+    current: SeqNo | None
+
+
+CaSResult = CaSCommitted | CaSMismatch
+
+
+class Consensus(ABC):
+    """A linearizable, versioned log per key. See the module doc for the contract."""
+
+    @property
+    @abstractmethod
+    def uri(self) -> str:
+        """The URI this Consensus was opened from (password removed), to reopen it elsewhere."""
+
+    @abstractmethod
+    def head(self, key: str) -> VersionedData | None:
+        """Return the newest row for ``key`` or ``None`` if it has none."""
+
+    @abstractmethod
+    def compare_and_set(
+        self, key: str, expected: SeqNo | None, new: VersionedData
+    ) -> CaSResult:
+        """Append ``new`` iff the head SeqNo is ``expected``; one atomic step.
+
+        Raises InvalidUsage when ``new.seqno != (expected or 0) + 1``.
+        """
+
+    @abstractmethod
+    def scan(self, key: str, from_seqno: SeqNo, limit: int | None = None) -> list[VersionedData]:
+        """Return rows with SeqNo >= ``from_seqno`` in ascending order, at most ``limit``."""
+
+    @abstractmethod
+    def truncate(self, key: str, seqno: SeqNo) -> int:
+        """Delete rows with SeqNo < ``seqno`` (never the head); return how many were deleted."""
+
+    @abstractmethod
+    def list_keys(self) -> list[str]:
+        """Return every key that has at least one row."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release connections; the Consensus must not be used afterwards."""
+
+
+def open_consensus(uri: str) -> Consensus:
+    """Open the Consensus named by ``uri`` (``sqlite://``, ``postgresql://`` or ``mem://``)."""
+    scheme, sep, _ = uri.partition("://")
+    if not sep:
+        raise InvalidUri(
+            f"consensus URI {uri!r} has no scheme: use sqlite:///abs/path.db, "
+            "postgresql://user@host:port/db or mem://name"
+        )
+    base = scheme.split("+", 1)[0]
+    if base in ("sqlite", "postgresql", "postgres"):
+        from pyspark_persist.state.consensus.sql import SqlConsensus
+
+        return SqlConsensus.from_uri(uri)
+    if base == "mem":
+        from pyspark_persist.state.consensus.mem import MemConsensus
+
+        return MemConsensus.from_uri(uri)
+    raise InvalidUri(
+        f"unknown consensus scheme {scheme!r} in {uri!r}: use sqlite://, postgresql:// or mem://"
+    )

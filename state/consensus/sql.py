@@ -1,0 +1,483 @@
+"""SQL Consensus on SQLite (the embedded default) or PostgreSQL, via SQLAlchemy Core.
+
+All rows live in one table, ``consensus(shard, sequence_number, data)`` with
+primary key ``(shard, sequence_number)``. compare_and_set is a single
+conditional ``INSERT ... SELECT ... WHERE <head is expected>``: it inserts the
+row only if the head is what the caller expected. Because the new SeqNo must be
+``expected + 1``, two racers that both pass the WHERE insert the same primary
+key and the database lets at most one commit; the loser gets a unique
+violation, reported as :class:`CaSMismatch`. The happy path is therefore one
+statement and, on PostgreSQL (autocommit), one round trip.
+
+SQLite specifics: WAL (readers never block the writer), ``synchronous=FULL``
+(a committed CaS survives power loss) and ``BEGIN IMMEDIATE`` for writes, so a
+writer takes the write lock up front (waiting up to ``busy_timeout``) instead
+of failing mid-transaction with SQLITE_BUSY_SNAPSHOT. Still "database is
+locked" after that is retried a few times with jittered backoff: nothing was
+written, so retrying is safe.
+
+Error mapping: failing to connect, or any failure of a read, truncate or of a
+CaS *before* its statement was sent, raises
+:class:`~pyspark_persist.state.errors.StoreUnavailable` (nothing happened). A
+connection failure after the CaS statement was sent raises
+:class:`~pyspark_persist.state.errors.Indeterminate`: the commit may have
+landed. Passwords never appear in :attr:`SqlConsensus.uri` or in messages.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import re
+import sqlite3
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pyspark_persist.state.consensus import (
+    CaSCommitted,
+    CaSMismatch,
+    CaSResult,
+    Consensus,
+    SeqNo,
+    VersionedData,
+)
+from pyspark_persist.state.consensus.mem import check_cas_args, check_scan_limit
+from pyspark_persist.state.errors import (
+    Indeterminate,
+    InvalidUri,
+    InvalidUsage,
+    StoreUnavailable,
+)
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    LargeBinary,
+    MetaData,
+    Table,
+    Text,
+    bindparam,
+    create_engine,
+    delete,
+    event,
+    exists,
+    func,
+    insert,
+    literal_column,
+    select,
+)
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.schema import CreateTable
+
+T = TypeVar("T")
+
+DEFAULT_TABLE = "consensus"
+DEFAULT_CONNECT_TIMEOUT_S = 5
+"""libpq's default is to wait forever; a dead host should fail an open in seconds."""
+
+_BUSY_TIMEOUT_MS = 10_000
+_BUSY_ATTEMPTS = 3
+_BUSY_BACKOFF_S = 0.05
+_WRITE_OPTION = "persist_write"
+"""Execution option marking a SQLite transaction that must start with BEGIN IMMEDIATE."""
+
+_IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_SECRET_QUERY_KEYS = ("password",)
+
+_POSTGRES_HINT = (
+    "is PostgreSQL running and reachable? check host, port, database and user "
+    "(passwords come from the URI, PGPASSWORD or ~/.pgpass)"
+)
+_SQLITE_HINT = "check that the path names a file (not a directory) in a writable directory"
+
+
+@functools.cache
+def consensus_table(name: str = DEFAULT_TABLE) -> Table:
+    """The Consensus table (declared once per name; BYTEA on PostgreSQL, BLOB on SQLite)."""
+    return Table(
+        name,
+        MetaData(),
+        Column("shard", Text, primary_key=True),
+        Column("sequence_number", BigInteger, primary_key=True, autoincrement=False),
+        Column("data", LargeBinary, nullable=False),
+    )
+
+
+class _Statements:
+    """Every statement the backend runs, built once per store so SQLAlchemy's compiled
+    cache makes each execution a lookup, not a compile."""
+
+    def __init__(self, table: Table) -> None:
+        shard = bindparam("shard", type_=Text)
+        seqno = table.c.sequence_number
+        mine = table.c.shard == shard
+        new_row = select(
+            shard,
+            bindparam("new", type_=BigInteger),
+            bindparam("data", type_=LargeBinary),
+        )
+        columns = ["shard", "sequence_number", "data"]
+        head_seqno = select(func.max(seqno)).where(mine).scalar_subquery()
+        # SQLAlchemy memoizes rowcount only for UPDATE/DELETE unless told to;
+        # without this an INSERT reports -1 on psycopg.
+        self.cas = (
+            insert(table)
+            .from_select(
+                columns, new_row.where(head_seqno == bindparam("expected", type_=BigInteger))
+            )
+            .execution_options(preserve_rowcount=True)
+        )
+        self.cas_new_key = (
+            insert(table)
+            .from_select(columns, new_row.where(~exists(select(literal_column("1")).where(mine))))
+            .execution_options(preserve_rowcount=True)
+        )
+        self.head_seqno = select(func.max(seqno)).where(mine)
+        self.head = select(seqno, table.c.data).where(mine).order_by(seqno.desc()).limit(1)
+        self.scan = (
+            select(seqno, table.c.data)
+            .where(mine, seqno >= bindparam("from_seqno", type_=BigInteger))
+            .order_by(seqno)
+        )
+        # The EXISTS guard makes the DELETE itself refuse to remove the head,
+        # so there is no read-then-delete race; truncate() reads the head only
+        # when nothing was deleted, to tell "nothing older" from "past the head".
+        at_or_above = bindparam("seqno", type_=BigInteger)
+        self.truncate = delete(table).where(
+            mine,
+            seqno < at_or_above,
+            exists(select(literal_column("1")).where(mine, seqno >= at_or_above)),
+        )
+        self.list_keys = select(table.c.shard).distinct()
+        self.create = CreateTable(table, if_not_exists=True)
+
+
+_OPEN: weakref.WeakSet[SqlConsensus] = weakref.WeakSet()
+
+
+def _dispose_after_fork() -> None:
+    """Drop (without closing) pooled connections a forked child inherited from its parent.
+
+    A socket or SQLite handle shared by two processes corrupts both sides'
+    protocol state; ``close=False`` leaves the parent's connections intact.
+    """
+    for consensus in list(_OPEN):
+        consensus._engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_dispose_after_fork)
+
+
+class SqlConsensus(Consensus):
+    """Consensus in one SQL table on SQLite or PostgreSQL. See the module doc."""
+
+    def __init__(self, engine: Engine, table: Table, uri: str, password: str | None) -> None:
+        self._engine = engine
+        self._sqlite = engine.dialect.name == "sqlite"
+        self._stmts = _Statements(table)
+        self._uri = uri
+        self._password = password
+        self._hint = _SQLITE_HINT if self._sqlite else _POSTGRES_HINT
+        _OPEN.add(self)
+        try:
+            self._run(self._create_table, write=True, what="creating the consensus table")
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_uri(cls, uri: str) -> SqlConsensus:
+        """Open ``sqlite:///path``, ``postgresql://...`` (or ``postgres://``,
+        ``postgresql+psycopg://``); ``?table=NAME`` picks another table name."""
+        try:
+            url = make_url(uri)
+        except (ArgumentError, ValueError):
+            # The parser's message may echo the whole URI, password included.
+            raise InvalidUri(
+                "malformed consensus URI: use sqlite:///path or "
+                "postgresql://user@host:port/database"
+            ) from None
+        table_name = url.query.get("table", DEFAULT_TABLE)
+        if not isinstance(table_name, str) or not _IDENTIFIER_RE.match(table_name):
+            raise InvalidUri(
+                f"consensus table name {table_name!r} must be one SQL identifier "
+                "(letters, digits, '_'; not starting with a digit; at most 63 characters)"
+            )
+        password = url.password or url.query.get("password")
+        if not isinstance(password, str):
+            password = None
+        backend, _, driver = url.drivername.partition("+")
+        engine_url = url.difference_update_query(["table"])
+        if backend == "sqlite":
+            if driver not in ("", "pysqlite"):
+                raise InvalidUri(f"unsupported SQLite driver {driver!r}: use sqlite:///path")
+            engine_url, uri_url = _sqlite_urls(engine_url, url)
+            engine = _sqlite_engine(engine_url)
+        elif backend in ("postgresql", "postgres"):
+            if driver not in ("", "psycopg"):
+                raise InvalidUri(
+                    f"unsupported PostgreSQL driver {driver!r}: use postgresql:// (psycopg 3)"
+                )
+            uri_url = url
+            engine = _postgres_engine(engine_url.set(drivername="postgresql+psycopg"))
+        else:
+            raise InvalidUri(
+                f"not a SQL consensus URI: {_redact(url)}; use sqlite:///path or postgresql://..."
+            )
+        return cls(engine, consensus_table(table_name), _redact(uri_url), password)
+
+    @property
+    def uri(self) -> str:
+        """The URI with the password removed (libpq then falls back to PGPASSWORD/.pgpass)."""
+        return self._uri
+
+    def head(self, key: str) -> VersionedData | None:
+        """Return the newest row of ``key`` (one indexed lookup), or ``None``."""
+
+        def work(conn: Connection) -> VersionedData | None:
+            row = conn.execute(self._stmts.head, {"shard": key}).first()
+            return None if row is None else VersionedData(int(row[0]), bytes(row[1]))
+
+        return self._run(work, write=False, what=f"reading the head of {key!r}")
+
+    def compare_and_set(
+        self, key: str, expected: SeqNo | None, new: VersionedData
+    ) -> CaSResult:
+        """Append ``new`` iff the head SeqNo is ``expected``: one conditional INSERT.
+
+        The current head is read (a second query) only when the INSERT lost.
+        """
+        check_cas_args(expected, new)
+        stmt = self._stmts.cas_new_key if expected is None else self._stmts.cas
+        params = {"shard": key, "new": new.seqno, "data": new.data, "expected": expected}
+
+        def work(conn: Connection) -> bool:
+            try:
+                return conn.execute(stmt, params).rowcount == 1
+            except IntegrityError:
+                # A racer inserted the same (shard, seqno) between our WHERE
+                # and our INSERT: it won, we did not write.
+                return False
+
+        if self._run(work, write=True, what=f"compare_and_set on {key!r}", indeterminate=True):
+            return CaSCommitted()
+        return CaSMismatch(self._head_seqno(key))
+
+    def scan(self, key: str, from_seqno: SeqNo, limit: int | None = None) -> list[VersionedData]:
+        """Return rows of ``key`` with SeqNo >= ``from_seqno``, ascending, at most ``limit``."""
+        check_scan_limit(limit)
+        stmt = self._stmts.scan if limit is None else self._stmts.scan.limit(limit)
+
+        def work(conn: Connection) -> list[VersionedData]:
+            rows = conn.execute(stmt, {"shard": key, "from_seqno": from_seqno})
+            return [VersionedData(int(seqno), bytes(data)) for seqno, data in rows]
+
+        return self._run(work, write=False, what=f"scanning {key!r}")
+
+    def truncate(self, key: str, seqno: SeqNo) -> int:
+        """Delete rows of ``key`` below ``seqno``; InvalidUsage if that would delete the head.
+
+        The guarded DELETE cannot remove the head even under races; the head
+        is read only when it deleted nothing, to tell "nothing older" from
+        "seqno is past the head".
+        """
+
+        def work(conn: Connection) -> int:
+            return conn.execute(self._stmts.truncate, {"shard": key, "seqno": seqno}).rowcount
+
+        deleted = self._run(work, write=True, what=f"truncating {key!r}")
+        if deleted == 0:
+            head = self._head_seqno(key)
+            if head is None or seqno > head:
+                raise InvalidUsage(
+                    f"truncate({key!r}, {seqno}) would delete the head (head SeqNo: {head})"
+                )
+        return deleted
+
+    def list_keys(self) -> list[str]:
+        """Return every key with at least one row, sorted by code point.
+
+        Sorted in Python, not SQL, so the order does not depend on the
+        database's collation and matches the other backends.
+        """
+
+        def work(conn: Connection) -> list[str]:
+            return sorted(str(shard) for (shard,) in conn.execute(self._stmts.list_keys))
+
+        return self._run(work, write=False, what="listing keys")
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        _OPEN.discard(self)
+        self._engine.dispose()
+
+    def _create_table(self, conn: Connection) -> None:
+        try:
+            conn.execute(self._stmts.create)
+        except IntegrityError:
+            # PostgreSQL: a concurrent opener created the table between our
+            # IF NOT EXISTS check and our insert into the catalog; it exists now.
+            pass
+
+    def _head_seqno(self, key: str) -> SeqNo | None:
+        def work(conn: Connection) -> SeqNo | None:
+            current = conn.execute(self._stmts.head_seqno, {"shard": key}).scalar()
+            return None if current is None else int(current)
+
+        return self._run(work, write=False, what=f"reading the head SeqNo of {key!r}")
+
+    def _run(
+        self,
+        work: Callable[[Connection], T],
+        *,
+        write: bool,
+        what: str,
+        indeterminate: bool = False,
+    ) -> T:
+        """Run ``work`` in one transaction, mapping driver errors to persist's taxonomy.
+
+        ``indeterminate``: a failure after ``work`` started talking to the
+        database may have committed (only compare_and_set sets this; every
+        other write is idempotent or guarded, so a failure there is reported
+        as determinate StoreUnavailable and retrying it is safe).
+        """
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                conn = self._engine.connect()
+            except SQLAlchemyError as exc:
+                raise self._unavailable(what, exc) from exc
+            with conn:
+                try:
+                    conn.execution_options(**{_WRITE_OPTION: write})
+                    conn.begin()
+                except DBAPIError as exc:
+                    if self._is_busy(exc) and attempt < _BUSY_ATTEMPTS:
+                        _backoff(attempt)
+                        continue
+                    raise self._unavailable(what, exc) from exc
+                try:
+                    result = work(conn)
+                    conn.commit()
+                    return result
+                except DBAPIError as exc:
+                    # SQLITE_BUSY is determinate: a busy statement did nothing
+                    # and the transaction is rolled back when ``conn`` closes.
+                    if self._is_busy(exc):
+                        if attempt < _BUSY_ATTEMPTS:
+                            _backoff(attempt)
+                            continue
+                        raise self._unavailable(what, exc) from exc
+                    if indeterminate:
+                        raise Indeterminate(
+                            f"{what} at {self._uri} may or may not have committed: "
+                            f"{self._detail(exc)}; read head() to find out"
+                        ) from exc
+                    raise self._unavailable(what, exc) from exc
+
+    def _is_busy(self, exc: DBAPIError) -> bool:
+        if not self._sqlite:
+            return False
+        code = getattr(exc.orig, "sqlite_errorcode", None)
+        return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(exc.orig)
+
+    def _unavailable(self, what: str, exc: Exception) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"consensus store {self._uri} unavailable while {what}: {self._detail(exc)}; "
+            f"{self._hint}"
+        )
+
+    def _detail(self, exc: Exception) -> str:
+        """The driver's one-line reason (not SQLAlchemy's SQL echo), with any password masked."""
+        orig = exc.orig if isinstance(exc, DBAPIError) else exc
+        lines = str(orig).strip().splitlines()
+        detail = lines[0] if lines else type(orig).__name__
+        if self._password:
+            detail = detail.replace(self._password, "***")
+        return detail
+
+
+def _backoff(attempt: int) -> None:
+    """Sleep a jittered, growing delay so lock waiters do not retry in lockstep."""
+    time.sleep(random.uniform(0, _BUSY_BACKOFF_S * 2**attempt))
+
+
+def _redact(url: URL) -> str:
+    """Render ``url`` without its password (in the userinfo or the query string)."""
+    # URL.set(password=None) means "leave unchanged", so build a fresh URL.
+    clean = URL.create(
+        drivername=url.drivername,
+        username=url.username,
+        host=url.host,
+        port=url.port,
+        database=url.database,
+        query=url.difference_update_query(_SECRET_QUERY_KEYS).query,
+    )
+    return clean.render_as_string(hide_password=False)
+
+
+def _sqlite_urls(engine_url: URL, url: URL) -> tuple[URL, URL]:
+    """Resolve the file to an absolute path (so ``uri`` reopens it from any working
+    directory, e.g. a Spark executor) and create its parent directory."""
+    path = engine_url.database or ""
+    if path in ("", ":memory:") or path.startswith("file:"):
+        raise InvalidUri(
+            f"SQLite consensus URI {_redact(url)!r} names no file: use sqlite:///relative.db "
+            "or sqlite:////abs/path.db (an in-memory database is private to one connection)"
+        )
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as exc:
+        raise StoreUnavailable(
+            f"cannot create the directory of SQLite consensus {path}: {exc.strerror}; "
+            f"{_SQLITE_HINT}"
+        ) from exc
+    return engine_url.set(database=path), url.set(database=path)
+
+
+def _sqlite_engine(url: URL) -> Engine:
+    """An engine whose connections run WAL + synchronous=FULL and BEGIN IMMEDIATE writes."""
+    engine = create_engine(url.set(drivername="sqlite+pysqlite"))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control away from pysqlite, which would otherwise
+        # issue a deferred BEGIN of its own before the first write.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Reads run as single autocommit statements (WAL gives each a
+        # consistent snapshot without blocking writers); writes take the write
+        # lock up front so they can never fail with SQLITE_BUSY_SNAPSHOT.
+        if conn.get_execution_options().get(_WRITE_OPTION):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _postgres_engine(url: URL) -> Engine:
+    """A pooled psycopg 3 engine in autocommit, so a compare_and_set is one round trip."""
+    connect_args: dict[str, Any] = {}
+    if "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
+    return create_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        pool_pre_ping=True,
+        connect_args=connect_args,
+    )
