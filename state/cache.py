@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 import time
 
+from pyspark_persist.state.consensus import VersionedData
+from pyspark_persist.state.diff import decode
 from pyspark_persist.state.state import ShardState
 
 
@@ -23,6 +25,8 @@ class SharedState:
         self.shard_id = shard_id
         self._state: ShardState | None = None
         self._cond = threading.Condition()
+        self._stale_gen = 0
+        self._push_sources: set[int] = set()
 
     @property
     def state(self) -> ShardState | None:
@@ -39,15 +43,87 @@ class SharedState:
             return True
 
     def wait_for_seqno_after(self, seqno: int, timeout_s: float) -> ShardState | None:
-        """Block until the cached state is newer than ``seqno`` or the timeout passes."""
+        """Block until the cached state is newer than ``seqno`` or the timeout passes.
+
+        Also returns ``None`` early when the state is marked stale meanwhile
+        (see :meth:`mark_stale`), so the caller reads Consensus now.
+        """
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            gen = self._stale_gen
             while self._state is None or self._state.seqno <= seqno:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or self._stale_gen != gen:
                     return None
                 self._cond.wait(remaining)
             return self._state
+
+    # --- PubSub seam: fed by pyspark_persist.pubsub, read by Listen -------------------
+
+    @property
+    def stale_generation(self) -> int:
+        """Bumped whenever Consensus may hold news this cache cannot get from a push."""
+        return self._stale_gen
+
+    @property
+    def push_healthy(self) -> bool:
+        """True while some PubSub transport is connected and subscribed to this shard.
+
+        Listens then poll Consensus only every ``listen_poll_pushed_s``.
+        """
+        return bool(self._push_sources)
+
+    def mark_stale(self) -> None:
+        """Tell waiting listens to read Consensus now (a push was missed or did not apply)."""
+        with self._cond:
+            self._stale_gen += 1
+            self._cond.notify_all()
+
+    def set_push_healthy(self, source: object, healthy: bool) -> None:
+        """Record whether ``source`` (a PubSub transport) currently delivers this shard's diffs.
+
+        Any change marks the state stale: on connecting, a listen catches up
+        on what was committed before the subscription; on losing the
+        connection, it falls back to fast polling at once.
+        """
+        with self._cond:
+            before = bool(self._push_sources)
+            if healthy:
+                self._push_sources.add(id(source))
+            else:
+                self._push_sources.discard(id(source))
+            if bool(self._push_sources) != before or healthy:
+                self._stale_gen += 1
+                self._cond.notify_all()
+
+    def apply_pushed(self, row: VersionedData) -> bool:
+        """Apply a diff pushed by another process; True iff it was installed.
+
+        Installed only when ``row.seqno`` follows the cached SeqNo exactly.
+        Duplicates and old diffs (and any diff before the state is first
+        loaded) are ignored; a gap, or a diff that does not decode or apply,
+        marks the state stale so waiting listens read Consensus now.
+        """
+        for _ in range(3):  # re-check if another path installed a state meanwhile
+            cached = self._state
+            if cached is None or row.seqno <= cached.seqno:
+                return False
+            if row.seqno != cached.seqno + 1:
+                break
+            try:
+                diff = decode(row.data, where=f"pushed diff {self.shard_id!r} SeqNo {row.seqno}")
+                if diff.shard_id != self.shard_id or diff.to_seqno != row.seqno:
+                    break
+                new_state = cached.apply(diff)
+            except Exception:  # noqa: BLE001 - a bad push must never break the cache
+                break
+            with self._cond:
+                if self._state is cached:
+                    self._state = new_state
+                    self._cond.notify_all()
+                    return True
+        self.mark_stale()
+        return False
 
 
 class StateCache:

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
+from pyspark_persist.state import commands
 from pyspark_persist.state.blob import Blob, open_blob
 from pyspark_persist.state.cache import PROCESS_CACHE, StateCache
-from pyspark_persist.state.commands import create_shard
+from pyspark_persist.state.commands import CriticalSince, create_shard
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.consensus import CaSCommitted, Consensus, VersionedData, open_consensus
 from pyspark_persist.state.diff import encode
@@ -22,6 +23,7 @@ from pyspark_persist.state.errors import (
     ShardNotFound,
 )
 from pyspark_persist.state.machine import DiffPublisher, Machine, Metrics, NoopPublisher
+from pyspark_persist.state.maintenance import CompactionReport, GcReport, Maintenance
 from pyspark_persist.state.parts import (
     decode_schema,
     encode_schema,
@@ -95,6 +97,7 @@ class PersistClient:
         self._clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
         self._machines: dict[str, Machine] = {}
         self._lock = threading.Lock()
+        self.maintenance = Maintenance(self.config)
         # Private in-memory stores all share the URI "mem://"; key their cache by object.
         uri = consensus.uri
         self._location = f"{uri}@{id(consensus)}" if uri.rstrip("/") == "mem:" else uri
@@ -131,7 +134,9 @@ class PersistClient:
                     self.metrics,
                     self.publisher,
                     self._clock_ms,
+                    self.maintenance.after_commit,
                 )
+                self.publisher.subscribe(shard_id, m.shared, self.consensus.uri)
             return m
 
     def open_shard(
@@ -189,8 +194,19 @@ class PersistClient:
         """The names of every shard in this Consensus."""
         return sorted(self.consensus.list_keys())
 
+    def pubsub_metrics(self) -> dict[str, float]:
+        """PubSub counters of this client's publisher plus its listens' fallback polls."""
+        read = getattr(self.publisher, "metrics", None)
+        out: dict[str, float] = dict(read()) if callable(read) else {}
+        out["fallback_polls"] = self.metrics.snapshot()["listen_polls"]
+        return out
+
     def close(self) -> None:
-        """Close the Blob and Consensus connections."""
+        """Unsubscribe from PubSub and close the Blob and Consensus connections."""
+        with self._lock:
+            shard_ids = list(self._machines)
+        for shard_id in shard_ids:
+            self.publisher.unsubscribe(shard_id)
         self.blob.close()
         self.consensus.close()
 
@@ -232,6 +248,52 @@ class Shard:
         """A writer; pass a stable ``writer_id`` to make commits idempotent across restarts."""
         return WriteHandle(self.machine, self.schema, writer_id)
 
-    def reader(self) -> ReadHandle:
-        """A reader for snapshots, listens and subscribes."""
-        return ReadHandle(self.machine, self.schema)
+    def reader(self, reader_id: str | None = None) -> ReadHandle:
+        """A leased reader for snapshots, listens and subscribes (heartbeated in the background)."""
+        return ReadHandle(self.machine, self.schema, self.client.maintenance, reader_id)
+
+    def critical_reader(self, reader_id: str, opaque: int = 0) -> CriticalReader:
+        """A since hold that never expires, moved only with its fencing token."""
+        return CriticalReader(self.machine, reader_id, opaque)
+
+    def compact(self) -> list[CompactionReport]:
+        """Run compaction now until the policy asks for nothing more."""
+        return self.client.maintenance.compact_now(self.machine)
+
+    def gc(self) -> GcReport:
+        """Run GC now: expire stale readers, delete garbage, truncate Consensus, sweep orphans."""
+        return self.client.maintenance.gc_now(self.machine)
+
+
+class CriticalReader:
+    """A since hold that never expires (persist's critical since handle).
+
+    Whoever holds the newest ``opaque`` token may move it; a handle with an
+    older token is fenced out. Use it for a since that must survive any
+    process crash (e.g. a controller that decides what may be compacted).
+    """
+
+    def __init__(self, machine: Machine, reader_id: str, opaque: int) -> None:
+        self._machine = machine
+        self.reader_id = reader_id
+        state = machine.run(
+            lambda s: commands.register_critical_reader(s, reader_id=reader_id, opaque=opaque)
+        )
+        self.since = state.since
+        self.opaque = state.opaque
+
+    def compare_and_downgrade_since(
+        self, expected_opaque: int, new_opaque: int, new_since: Time
+    ) -> CriticalSince:
+        """Move the hold to ``new_since`` iff the stored token is ``expected_opaque``."""
+        result = self._machine.run(
+            lambda s: commands.compare_and_downgrade_since(
+                s,
+                reader_id=self.reader_id,
+                expected_opaque=expected_opaque,
+                new_opaque=new_opaque,
+                new_since=new_since,
+            )
+        )
+        self.since, self.opaque = result.current.since, result.current.opaque
+        return result

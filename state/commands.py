@@ -11,6 +11,7 @@ land?").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -18,6 +19,8 @@ from pyspark_persist.state.diff import DiffBuilder, StateDiff
 from pyspark_persist.state.state import (
     EMPTY_STATE,
     Batch,
+    CriticalReaderState,
+    LeasedReaderState,
     PartRef,
     ShardState,
     Time,
@@ -128,3 +131,154 @@ def add_rollup(state: ShardState, *, seqno: int, key: str) -> Outcome[bool]:
         return Refuse(False)
     diff = DiffBuilder(state).put("rollups", seqno, key).build()
     return Apply(diff, True)
+
+
+def _since(
+    state: ShardState,
+    leased: Mapping[str, LeasedReaderState] | None = None,
+    critical: Mapping[str, CriticalReaderState] | None = None,
+) -> Time:
+    """The shard's since after a reader change: the meet of every hold, never going back."""
+    lr = state.leased_readers if leased is None else leased
+    cr = state.critical_readers if critical is None else critical
+    holds = [r.since for r in lr.values()] + [r.since for r in cr.values()]
+    return max(state.since, min(holds)) if holds else state.since
+
+
+def register_leased_reader(
+    state: ShardState, *, reader_id: str, now_ms: int, lease_ms: int
+) -> Outcome[LeasedReaderState]:
+    """Add a leased reader holding since at the shard's since and SeqNo at the current one."""
+    existing = state.leased_readers.get(reader_id)
+    if existing is not None:
+        return Refuse(existing)
+    reader = LeasedReaderState(
+        since=state.since, seqno=state.seqno, last_heartbeat_ms=now_ms, lease_duration_ms=lease_ms
+    )
+    return Apply(DiffBuilder(state).put("leased_readers", reader_id, reader).build(), reader)
+
+
+def heartbeat_leased_reader(
+    state: ShardState,
+    *,
+    reader_id: str,
+    now_ms: int,
+    seqno: int | None,
+    new_since: Time | None = None,
+) -> Outcome[LeasedReaderState | None]:
+    """Extend a reader's lease, advance its SeqNo hold and optionally its since.
+
+    ``seqno`` is the oldest SeqNo the reader still leases (``None``: none, so
+    the hold moves to the current SeqNo). Refuses with ``None`` when the
+    reader has expired: its holds are gone and it must not read on.
+    """
+    reader = state.leased_readers.get(reader_id)
+    if reader is None:
+        return Refuse(None)
+    hold = state.seqno if seqno is None else seqno
+    updated = LeasedReaderState(
+        since=reader.since if new_since is None else max(reader.since, new_since),
+        seqno=max(reader.seqno, min(hold, state.seqno)),
+        last_heartbeat_ms=max(reader.last_heartbeat_ms, now_ms),
+        lease_duration_ms=reader.lease_duration_ms,
+    )
+    b = DiffBuilder(state).put("leased_readers", reader_id, updated)
+    leased = dict(state.leased_readers)
+    leased[reader_id] = updated
+    b.set("since", _since(state, leased=leased))
+    return Apply(b.build(), updated)
+
+
+def expire_leased_readers(
+    state: ShardState, *, reader_ids: tuple[str, ...] = (), now_ms: int | None = None
+) -> Outcome[tuple[str, ...]]:
+    """Remove the named readers and, given ``now_ms``, every reader whose lease ran out."""
+    gone = {r for r in reader_ids if r in state.leased_readers}
+    if now_ms is not None:
+        gone |= {r for r, s in state.leased_readers.items() if s.expires_at_ms < now_ms}
+    if not gone:
+        return Refuse(())
+    b = DiffBuilder(state)
+    for r in gone:
+        b.delete("leased_readers", r)
+    leased = {r: s for r, s in state.leased_readers.items() if r not in gone}
+    b.set("since", _since(state, leased=leased))
+    return Apply(b.build(), tuple(sorted(gone)))
+
+
+@dataclass(frozen=True)
+class CriticalSince:
+    """The outcome of a critical since change: ``ok`` or the holder's current state."""
+
+    ok: bool
+    current: CriticalReaderState
+
+
+def register_critical_reader(
+    state: ShardState, *, reader_id: str, opaque: int
+) -> Outcome[CriticalReaderState]:
+    """Add (or return) a since hold that never expires."""
+    existing = state.critical_readers.get(reader_id)
+    if existing is not None:
+        return Refuse(existing)
+    reader = CriticalReaderState(since=state.since, opaque=opaque)
+    return Apply(DiffBuilder(state).put("critical_readers", reader_id, reader).build(), reader)
+
+
+def compare_and_downgrade_since(
+    state: ShardState,
+    *,
+    reader_id: str,
+    expected_opaque: int,
+    new_opaque: int,
+    new_since: Time,
+) -> Outcome[CriticalSince]:
+    """Move a critical hold iff the caller holds the newest fencing token (``opaque``)."""
+    reader = state.critical_readers.get(reader_id)
+    if reader is None:
+        reader = CriticalReaderState(since=state.since, opaque=expected_opaque)
+    if reader.opaque != expected_opaque:
+        return Refuse(CriticalSince(ok=False, current=reader))
+    updated = CriticalReaderState(since=max(reader.since, new_since), opaque=new_opaque)
+    critical = dict(state.critical_readers)
+    critical[reader_id] = updated
+    b = DiffBuilder(state).put("critical_readers", reader_id, updated)
+    b.set("since", _since(state, critical=critical))
+    if b.is_empty:
+        return Refuse(CriticalSince(ok=True, current=updated))
+    return Apply(b.build(), CriticalSince(ok=True, current=updated))
+
+
+def apply_merge(
+    state: ShardState, *, replaced: tuple[Batch, ...], merged: Batch
+) -> Outcome[bool]:
+    """Swap a run of batches for their compacted merge, iff they are all still in state as read.
+
+    Refuses (False) when a write or another compaction changed any of them:
+    the compactor then deletes its output and gives up or retries.
+    """
+    if any(state.batches.get(b.key) != b for b in replaced):
+        return Refuse(False)
+    b = DiffBuilder(state)
+    for old in replaced:
+        b.delete("batches", old.key)
+    b.put("batches", merged.key, merged)
+    return Apply(b.build(), True)
+
+
+def claim_gc(state: ShardState, *, seqno_since: int) -> Outcome[bool]:
+    """Record that GC up to ``seqno_since`` is under way, so other processes skip it."""
+    if seqno_since <= state.last_gc_seqno:
+        return Refuse(False)
+    return Apply(DiffBuilder(state).set("last_gc_seqno", seqno_since).build(), True)
+
+
+def remove_rollups(state: ShardState, *, seqnos: tuple[int, ...]) -> Outcome[tuple[int, ...]]:
+    """Forget rollups below the oldest live SeqNo (GC deletes their Blob objects after)."""
+    present = tuple(s for s in seqnos if s in state.rollups)
+    if not present:
+        return Refuse(())
+    b = DiffBuilder(state)
+    for s in present:
+        b.delete("rollups", s)
+    return Apply(b.build(), present)

@@ -36,16 +36,36 @@ class PersistConfig:
     """First Consensus poll delay of a waiting listen once its in-process wake-up timed out."""
     listen_poll_max_s: float = 0.1
     """Longest delay between Consensus polls of an idle listen (the polling fallback)."""
+    listen_poll_pushed_s: float = 5.0
+    """Delay between Consensus polls of an idle listen while PubSub delivers its shard."""
     read_batch_rows: int = 65536
     """Rows per Arrow batch when a reader streams a part."""
+    reader_lease_s: float = 60.0
+    """A leased reader that has not heartbeated for this long may be expired by anyone."""
+    heartbeat_interval_s: float = 10.0
+    """How often a client heartbeats its leased readers (keep well under reader_lease_s)."""
+    compaction_fan_in: int = 8
+    """Compaction merges this many trailing batches of one size tier into one."""
+    compaction_memory_bytes: int = 256 * MiB
+    """Batches larger than this together are merged by concatenating parts, not rewriting."""
+    gc_interval: int = 32
+    """GC runs after the oldest held SeqNo has advanced by this many since the last GC."""
+    staged_part_grace_s: float = 3600.0
+    """Parts staged but never committed are deleted by an orphan sweep after this long."""
+    maintenance: bool = True
+    """Run compaction and GC automatically after writes (they also run on demand)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
             if not isinstance(value, int | float) or value <= 0:
                 raise InvalidUsage(f"persist config {f.name}={value!r} must be a positive number")
         if self.listen_poll_min_s > self.listen_poll_max_s:
             raise InvalidUsage("persist config listen_poll_min_s must be <= listen_poll_max_s")
+        if self.compaction_fan_in < 2:
+            raise InvalidUsage("persist config compaction_fan_in must be at least 2")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> PersistConfig:

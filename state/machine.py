@@ -36,10 +36,22 @@ R = TypeVar("R")
 
 
 class DiffPublisher(Protocol):
-    """Where a committed diff is pushed for other processes (implemented by pubsub)."""
+    """Where a committed diff is pushed for other processes (implemented by pubsub).
+
+    The seam between the shard and :mod:`pyspark_persist.pubsub` (which this
+    package never imports): the client subscribes each shard's
+    :class:`SharedState` when it first uses the shard, and the publisher
+    feeds it diffs from other processes with :meth:`SharedState.apply_pushed`.
+    """
 
     def push(self, shard_id: str, diff: VersionedData) -> None:
         """Send ``diff`` to subscribers of ``shard_id``; must never block or raise."""
+
+    def subscribe(self, shard_id: str, shared: SharedState, consensus_uri: str) -> None:
+        """Deliver diffs of ``shard_id`` (in ``consensus_uri``) into ``shared``; never raises."""
+
+    def unsubscribe(self, shard_id: str) -> None:
+        """Undo one :meth:`subscribe` of ``shard_id``; never raises."""
 
 
 class NoopPublisher:
@@ -47,6 +59,12 @@ class NoopPublisher:
 
     def push(self, shard_id: str, diff: VersionedData) -> None:
         """Drop the diff."""
+
+    def subscribe(self, shard_id: str, shared: SharedState, consensus_uri: str) -> None:
+        """Nothing to subscribe to."""
+
+    def unsubscribe(self, shard_id: str) -> None:
+        """Nothing to unsubscribe from."""
 
 
 @dataclass
@@ -59,6 +77,8 @@ class Metrics:
     cas_retries_after_error: int = 0
     commits: int = 0
     rollups_written: int = 0
+    listen_polls: int = 0
+    """Consensus reads a waiting listen made because nothing woke it (the polling fallback)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def incr(self, name: str, by: int = 1) -> None:
@@ -85,6 +105,7 @@ class Machine:
         metrics: Metrics,
         publisher: DiffPublisher,
         clock_ms: Callable[[], int],
+        on_commit: Callable[[Machine, ShardState], None] | None = None,
     ) -> None:
         self.shard_id = shard_id
         self.blob = blob
@@ -94,6 +115,7 @@ class Machine:
         self.metrics = metrics
         self.publisher = publisher
         self.clock_ms = clock_ms
+        self.on_commit = on_commit
 
     def state(self) -> ShardState:
         """The newest state this process knows of, loading it on first use."""
@@ -148,6 +170,8 @@ class Machine:
                 self.shared.update(new_state)
                 self.publisher.push(self.shard_id, row)
                 self._maybe_rollup(new_state)
+                if self.on_commit is not None:
+                    self.on_commit(self, new_state)
                 return outcome.result
             self.metrics.incr("cas_mismatches")
             attempt += 1

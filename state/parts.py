@@ -9,6 +9,7 @@ out (a :class:`LeasedPart`), so one stored part serves every read.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -153,8 +154,20 @@ def time_bounds(table: pa.Table) -> tuple[Time, Time]:
 
 
 def new_part_key(shard_id: str) -> str:
-    """A fresh, never reused Blob key for a part of ``shard_id``."""
-    return f"{shard_id}/part/{uuid.uuid4().hex}.parquet"
+    """A fresh, never reused Blob key for a part of ``shard_id``.
+
+    The key starts with its creation time in milliseconds, so GC can tell a
+    part staged moments ago (its commit may be on the way) from one a crashed
+    writer left behind.
+    """
+    return f"{shard_id}/part/{time.time_ns() // 1_000_000:013d}-{uuid.uuid4().hex}.parquet"
+
+
+def part_key_created_ms(key: str) -> int | None:
+    """The creation time encoded in a part key, or None for a key of another form."""
+    name = key.rsplit("/", 1)[-1]
+    stamp, sep, _ = name.partition("-")
+    return int(stamp) if sep and stamp.isdigit() else None
 
 
 def encode_parquet(table: pa.Table) -> bytes:
@@ -249,6 +262,12 @@ def decode_part(part: PartRef, data: bytes, shard_id: str) -> pa.Table:
         ) from e
 
 
+def with_times(table: pa.Table, times: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """Replace the ``_time`` column, keeping the part schema (non-null) so tables concatenate."""
+    idx = table.schema.get_field_index(TIME)
+    return table.set_column(idx, table.schema.field(idx), times)
+
+
 def shape_updates(table: pa.Table | pa.RecordBatch, leased: LeasedPart) -> pa.Table:
     """Apply a leased part's ts_rewrite, time bounds and as_of to decoded updates."""
     if isinstance(table, pa.RecordBatch):
@@ -256,7 +275,7 @@ def shape_updates(table: pa.Table | pa.RecordBatch, leased: LeasedPart) -> pa.Ta
     part = leased.part
     if part.ts_rewrite is not None and part.min_time < part.ts_rewrite:
         times = pc.max_element_wise(table.column(TIME), pa.scalar(part.ts_rewrite, TIME_TYPE))
-        table = table.set_column(table.schema.get_field_index(TIME), TIME, times)
+        table = with_times(table, times)
     if leased.needs_filter:
         t = table.column(TIME)
         mask = pc.and_(
@@ -265,8 +284,7 @@ def shape_updates(table: pa.Table | pa.RecordBatch, leased: LeasedPart) -> pa.Ta
         )
         table = table.filter(mask)
     if leased.as_of is not None:
-        times = pa.array([leased.as_of] * table.num_rows, TIME_TYPE)
-        table = table.set_column(table.schema.get_field_index(TIME), TIME, times)
+        table = with_times(table, pa.repeat(pa.scalar(leased.as_of, TIME_TYPE), table.num_rows))
     return table
 
 

@@ -11,21 +11,26 @@
 
 Waiting is push-first: an in-process write (or a PubSub diff) wakes a
 waiting listen at once; otherwise it polls Consensus with backoff between
-``listen_poll_min_s`` and ``listen_poll_max_s``.
+``listen_poll_min_s`` and ``listen_poll_max_s``, or only every
+``listen_poll_pushed_s`` while PubSub delivers the shard.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyspark_persist.state import commands
 from pyspark_persist.state.blob import Blob
-from pyspark_persist.state.errors import InvalidFrontier
+from pyspark_persist.state.errors import InvalidFrontier, LeaseExpired
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import (
     LeasedPart,
@@ -36,6 +41,9 @@ from pyspark_persist.state.parts import (
     shape_updates,
 )
 from pyspark_persist.state.state import Batch, ShardState, Time
+
+if TYPE_CHECKING:
+    from pyspark_persist.state.maintenance import Maintenance
 
 
 @dataclass(frozen=True)
@@ -95,16 +103,126 @@ def iter_parts(
 
 
 class ReadHandle:
-    """Snapshots and listens of one shard. Cheap; make one per reading activity."""
+    """A leased reader: snapshots and listens of one shard, holding since and SeqNo leases.
 
-    def __init__(self, machine: Machine, schema: pa.Schema) -> None:
+    Registering puts the reader in the shard's state with a since hold (times
+    it may still read) and a SeqNo hold (states whose parts it may still
+    fetch). Every snapshot or listen event *leases* the SeqNo its parts come
+    from; GC keeps those parts until the lease is released, here or, after
+    the parts were handed to another process, when that process reports back.
+    The client heartbeats the reader in the background; a reader that stops
+    (its process died) expires after ``reader_lease_s`` and its holds go.
+    Close it (or use it as a context manager) when done.
+    """
+
+    def __init__(
+        self,
+        machine: Machine,
+        schema: pa.Schema,
+        maintenance: Maintenance | None = None,
+        reader_id: str | None = None,
+    ) -> None:
         self._machine = machine
         self.schema = schema
+        self.reader_id = reader_id or f"r-{uuid.uuid4().hex}"
+        self._leases: collections.Counter[int] = collections.Counter()
+        self._lock = threading.Lock()
+        self._expired = False
+        lease_ms = int(machine.config.reader_lease_s * 1000)
+        registered = machine.run(
+            lambda s: commands.register_leased_reader(
+                s, reader_id=self.reader_id, now_ms=machine.clock_ms(), lease_ms=lease_ms
+            )
+        )
+        self._since = registered.since
+        if maintenance is not None:
+            maintenance.track_reader(self)
 
     @property
     def shard_id(self) -> str:
         """The shard this handle reads."""
         return self._machine.shard_id
+
+    @property
+    def since(self) -> Time:
+        """This reader's since hold: compaction keeps times from it on distinguishable."""
+        return self._since
+
+    def lease(self, seqno: int) -> None:
+        """Hold the parts of state ``seqno`` (e.g. one handed back by another process)."""
+        with self._lock:
+            self._leases[seqno] += 1
+
+    def release(self, seqno: int) -> None:
+        """Return one lease on ``seqno``; GC may reclaim its parts once no lease holds them."""
+        with self._lock:
+            if self._leases[seqno] <= 1:
+                del self._leases[seqno]
+            else:
+                self._leases[seqno] -= 1
+
+    def leased_seqnos(self) -> list[int]:
+        """The SeqNos this reader currently leases (with repeats collapsed), oldest first."""
+        with self._lock:
+            return sorted(self._leases)
+
+    def _lease_current(self, state: ShardState) -> None:
+        with self._lock:
+            self._check_live()
+            self._leases[state.seqno] += 1
+
+    def _hold(self) -> int:
+        """The SeqNo to record as this reader's hold: its oldest lease, else the cached state."""
+        with self._lock:
+            return min(self._leases) if self._leases else self._machine.state().seqno
+
+    def _check_live(self) -> None:
+        if self._expired:
+            raise LeaseExpired(
+                f"reader {self.reader_id} of shard {self.shard_id!r} expired (it stopped "
+                "heartbeating for longer than reader_lease_s) or was closed: open a new reader"
+            )
+
+    def heartbeat(self) -> None:
+        """Extend the lease and advance the SeqNo hold to the oldest lease still held."""
+        self._update(None)
+
+    def downgrade_since(self, since: Time) -> None:
+        """Promise not to read times before ``since`` any more, so compaction may merge them."""
+        self._update(since)
+
+    def _update(self, new_since: Time | None) -> None:
+        self._check_live()
+        hold = self._hold()
+        result = self._machine.run(
+            lambda s: commands.heartbeat_leased_reader(
+                s,
+                reader_id=self.reader_id,
+                now_ms=self._machine.clock_ms(),
+                seqno=hold,
+                new_since=new_since,
+            )
+        )
+        if result is None:
+            self._expired = True
+            self._check_live()
+        else:
+            self._since = result.since
+
+    def close(self) -> None:
+        """Expire this reader now, releasing its since and SeqNo holds."""
+        if self._expired:
+            return
+        self._expired = True
+        self._machine.run(
+            lambda s: commands.expire_leased_readers(s, reader_ids=(self.reader_id,))
+        )
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def latest_as_of(self) -> Time:
         """The newest time a snapshot can be read at now (``upper - 1``); fetches state."""
@@ -116,13 +234,19 @@ class ReadHandle:
         return state.upper - 1
 
     def snapshot(self, as_of: Time | None = None) -> Snapshot:
-        """The parts that reconstruct the shard at ``as_of`` (default: the latest complete time)."""
+        """The parts that reconstruct the shard at ``as_of`` (default: the latest complete time).
+
+        The snapshot's SeqNo is leased: call :meth:`release` with ``snapshot.seqno``
+        once every part has been fetched (wherever that happened).
+        """
+        self._check_live()
         if as_of is None:
             as_of = self.latest_as_of()
         state = self._machine.state()
         if as_of >= state.upper:
             state = self._machine.fetch_latest()
         _check_as_of(state, as_of)
+        self._lease_current(state)
         parts = tuple(
             LeasedPart(
                 shard_id=state.shard_id,
@@ -143,13 +267,20 @@ class ReadHandle:
     def iter_snapshot(self, as_of: Time | None = None) -> Iterator[pa.Table]:
         """Stream the snapshot's updates (not consolidated across parts), part by part."""
         snap = self.snapshot(as_of)
-        yield from iter_parts(self._machine.blob, snap.parts, self._machine.config.read_batch_rows)
+        try:
+            yield from iter_parts(
+                self._machine.blob, snap.parts, self._machine.config.read_batch_rows
+            )
+        finally:
+            self.release(snap.seqno)
 
     def snapshot_table(self, as_of: Time | None = None) -> pa.Table:
         """The shard at ``as_of`` as one consolidated table (row columns, ``_time``, ``_diff``)."""
         snap = self.snapshot(as_of)
-        tables = list(iter_parts(self._machine.blob, snap.parts))
-        table = pa.concat_tables(tables) if tables else data_schema(self.schema).empty_table()
+        try:
+            table = self.fetch(snap.parts)
+        finally:
+            self.release(snap.seqno)
         return consolidate(table, self.schema.names)
 
     def listen(self, as_of: Time) -> Listen:
@@ -162,13 +293,20 @@ class ReadHandle:
                 f"cannot listen to shard {self.shard_id!r} from as_of {as_of}: it is before "
                 f"since {state.since} (compacted away); listen from {state.since} or later"
             )
-        return Listen(self._machine, as_of)
+        return Listen(self, self._machine, as_of)
 
     def subscribe(self, as_of: Time | None = None) -> Iterator[ListenEvent]:
-        """A snapshot at ``as_of`` as one event, then every later batch: the full history."""
+        """A snapshot at ``as_of`` as one event, then every later batch: the full history.
+
+        Each event's SeqNo stays leased until the next event is asked for.
+        """
         snap = self.snapshot(as_of)
-        yield ListenEvent(lower=0, upper=snap.as_of + 1, seqno=snap.seqno, parts=snap.parts)
-        yield from self.listen(snap.as_of)
+        listen = self.listen(snap.as_of)
+        try:
+            yield ListenEvent(lower=0, upper=snap.as_of + 1, seqno=snap.seqno, parts=snap.parts)
+        finally:
+            self.release(snap.seqno)
+        yield from listen
 
     def fetch(self, parts: Sequence[LeasedPart]) -> pa.Table:
         """Fetch leased parts (from a snapshot or listen event) into one table, unconsolidated."""
@@ -191,13 +329,31 @@ def _check_as_of(state: ShardState, as_of: Time) -> None:
 
 
 class Listen:
-    """An iterator of :class:`ListenEvent` for updates after ``as_of``, in time order."""
+    """An iterator of :class:`ListenEvent` for updates after ``as_of``, in time order.
 
-    def __init__(self, machine: Machine, as_of: Time) -> None:
+    The SeqNo of the event last returned stays leased by the reader until
+    the next call (or :meth:`close`), so its parts can be fetched meanwhile.
+    """
+
+    def __init__(self, reader: ReadHandle, machine: Machine, as_of: Time) -> None:
+        self._reader = reader
         self._machine = machine
         self.as_of = as_of
-        self._frontier = as_of + 1
+        self._frontier = as_of + 1  # what has been returned
+        self._queued_upto = as_of + 1  # what has been queued (>= frontier)
         self._pending: collections.deque[ListenEvent] = collections.deque()
+        self._held: int | None = None
+        # The polling fallback's schedule survives across next() calls, so a
+        # caller looping on next(timeout_s) does not poll more often than it.
+        self._poll_delay = 0.0
+        self._poll_at: float | None = None
+        self._stale_gen = machine.shared.stale_generation
+
+    def close(self) -> None:
+        """Release the lease of the last event returned."""
+        if self._held is not None:
+            self._reader.release(self._held)
+            self._held = None
 
     @property
     def frontier(self) -> Time:
@@ -212,34 +368,65 @@ class Listen:
 
     def next(self, timeout_s: float | None = 1.0) -> ListenEvent | None:
         """The next event, waiting at most ``timeout_s`` (``None``: forever); None on timeout."""
+        self.close()
+        event = self._next(timeout_s)
+        if event is not None:
+            self._held = event.seqno
+            self._frontier = event.upper
+        return event
+
+    def _next(self, timeout_s: float | None) -> ListenEvent | None:
         if self._pending:
             return self._pending.popleft()
-        cfg = self._machine.config
+        shared = self._machine.shared
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        delay = cfg.listen_poll_min_s
         state = self._machine.state()
-        while state.upper <= self._frontier:
-            wait = delay if deadline is None else min(delay, deadline - time.monotonic())
-            if wait <= 0:
-                return None
-            woke = self._machine.shared.wait_for_seqno_after(state.seqno, wait)
-            if woke is None:
+        while state.upper <= self._queued_upto:
+            now = time.monotonic()
+            if self._poll_at is None:
+                self._poll_at = now + self._next_poll_delay()
+            gen = shared.stale_generation
+            if gen != self._stale_gen or now >= self._poll_at:
+                # Woken as stale (a push did not apply, PubSub (dis)connected) or
+                # nothing woke us in time: read Consensus (the fallback poll).
+                self._stale_gen = gen
                 state = self._machine.fetch_latest()
-                delay = min(delay * 2, cfg.listen_poll_max_s)
-            else:
+                self._machine.metrics.incr("listen_polls")
+                self._poll_at = time.monotonic() + self._next_poll_delay()
+                continue
+            if deadline is not None and now >= deadline:
+                return None
+            until = self._poll_at if deadline is None else min(self._poll_at, deadline)
+            woke = shared.wait_for_seqno_after(state.seqno, until - now)
+            if woke is not None:
                 state = woke
+        self._poll_delay, self._poll_at = 0.0, None  # news: restart the backoff
         self._queue_events(state)
         return self._pending.popleft() if self._pending else None
 
+    def _next_poll_delay(self) -> float:
+        """Backoff between ``listen_poll_min_s`` and ``listen_poll_max_s``; while PubSub
+        delivers this shard, ``listen_poll_pushed_s`` (pushes wake the listen instead)."""
+        cfg = self._machine.config
+        if self._machine.shared.push_healthy:
+            self._poll_delay = cfg.listen_poll_pushed_s
+        elif self._poll_delay <= 0:
+            self._poll_delay = cfg.listen_poll_min_s
+        else:
+            self._poll_delay = min(self._poll_delay * 2, cfg.listen_poll_max_s)
+        return self._poll_delay
+
     def _queue_events(self, state: ShardState) -> None:
         for batch in state.trace:
-            if batch.upper <= self._frontier:
+            # One lease per queued event; next() hands each over as it returns it.
+            if batch.upper <= self._queued_upto:
                 continue
+            self._reader._lease_current(state)
             self._pending.append(self._event(state, batch))
-            self._frontier = batch.upper
+            self._queued_upto = batch.upper
 
     def _event(self, state: ShardState, batch: Batch) -> ListenEvent:
-        lower = self._frontier
+        lower = self._queued_upto
         parts = tuple(
             LeasedPart(
                 shard_id=state.shard_id,

@@ -1,0 +1,359 @@
+"""Compaction and GC: what keeps a shard small and fast after weeks of tiny writes.
+
+**Compaction** merges a run of adjacent batches into one. It reads their
+parts, advances every time below the shard's since up to it (clamped inside
+the merged interval), consolidates (sums the diffs of equal ``(row, time)``,
+drops zeros) and writes the result as new parts; then
+:func:`~pyspark_persist.state.commands.apply_merge` swaps it into state by
+compare-and-set, only if the batches are still exactly as read, so losing a
+race with a write or another compaction costs nothing but the work. The
+policy is tiered: a batch's tier is ``floor(log_fanin(rows))``, and once
+``compaction_fan_in`` trailing batches share a tier they are merged, so the
+trace holds O(fan_in * log(rows)) batches. Runs bigger than
+``compaction_memory_bytes`` are merged by concatenating their part lists
+(no rewrite), which keeps memory bounded.
+
+**GC** deletes what no reader can need any more. The oldest SeqNo any
+reader holds (``seqno_since``) fixes the line: every state at or after it
+must stay readable, so GC keeps the parts its state references and deletes
+the parts of batches removed by diffs before it. Then it makes sure a rollup
+sits at or just below that SeqNo, truncates Consensus below the rollup, and
+forgets older rollups. An occasional sweep deletes parts that were staged
+but never committed (a crash between staging and commit) once they are
+older than ``staged_part_grace_s``; part keys carry their creation time.
+
+Both run in the background after commits (``PersistConfig.maintenance``)
+and on demand (:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark_persist.state import commands
+from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.diff import decode
+from pyspark_persist.state.errors import PersistError
+from pyspark_persist.state.machine import Machine
+from pyspark_persist.state.parts import (
+    MAX_TIME,
+    TIME,
+    TIME_TYPE,
+    LeasedPart,
+    consolidate,
+    decode_schema,
+    part_key_created_ms,
+    with_times,
+)
+from pyspark_persist.state.state import EMPTY_STATE, Batch, ShardState
+from pyspark_persist.state.versions import rollup_key, write_rollup
+
+if TYPE_CHECKING:
+    from pyspark_persist.state.read import ReadHandle
+
+log = logging.getLogger(__name__)
+
+
+def tier(batch: Batch, fan_in: int) -> int:
+    """The size tier of a batch: batches of one tier are merged together."""
+    return int(math.log(max(batch.rows, 1), fan_in))
+
+
+def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch, ...] | None:
+    """The trailing run of batches that should be merged now, or None. Pure."""
+    trace = state.trace
+    if len(trace) < config.compaction_fan_in:
+        return None
+    last_tier = tier(trace[-1], config.compaction_fan_in)
+    run = 0
+    for batch in reversed(trace):
+        if tier(batch, config.compaction_fan_in) != last_tier:
+            break
+        run += 1
+    if run < config.compaction_fan_in:
+        return None
+    return trace[-run:]
+
+
+@dataclass(frozen=True)
+class CompactionReport:
+    """What one compaction did."""
+
+    batches_in: int
+    rows_in: int
+    rows_out: int
+    rewritten: bool
+    applied: bool
+
+
+def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
+    """Merge ``batches`` (adjacent, in time order) and swap the merge into state if still valid."""
+    from pyspark_persist.state.read import iter_parts
+    from pyspark_persist.state.write import BatchBuilder, delete_staged
+
+    state = machine.state()
+    lower, upper = batches[0].lower, batches[-1].upper
+    rows_in = sum(b.rows for b in batches)
+    parts = tuple(p for b in batches for p in b.parts)
+    size = sum(p.size_bytes for p in parts)
+    if not parts or size > machine.config.compaction_memory_bytes:
+        merged = Batch(lower, upper, min(b.since for b in batches), parts)
+        ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged))
+        return CompactionReport(len(batches), rows_in, rows_in, False, ok)
+    since = max(min(state.since, upper - 1), max(b.since for b in batches))
+    leased = [
+        LeasedPart(state.shard_id, machine.blob.uri, p, 0, MAX_TIME, None, state.seqno)
+        for p in parts
+    ]
+    schema = decode_schema(state.schema)
+    tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
+    table = pa.concat_tables(tables) if tables else None
+    builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config)
+    rows_out = 0
+    if table is not None and table.num_rows:
+        times = pc.max_element_wise(table.column(TIME), pa.scalar(since, TIME_TYPE))
+        table = with_times(table, times)
+        table = consolidate(table, schema.names)
+        rows_out = table.num_rows
+        builder.add(table)
+    staged = builder.finish()
+    merged = Batch(lower, upper, since, staged.parts)
+    ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged))
+    if not ok:
+        delete_staged(machine.blob, staged.parts)
+    return CompactionReport(len(batches), rows_in, rows_out, True, ok)
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What one GC pass did."""
+
+    seqno_since: int
+    parts_deleted: int
+    rollups_deleted: int
+    consensus_rows_deleted: int
+    orphans_deleted: int
+    readers_expired: tuple[str, ...]
+
+
+def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) -> GcReport:
+    """Expire stale readers, delete unreferenced parts and rollups, truncate Consensus."""
+    now = machine.clock_ms()
+    expired = machine.run(lambda s: commands.expire_leased_readers(s, now_ms=now))
+    state = machine.fetch_latest()
+    seqno_since = state.seqno_since
+    claimed = machine.run(lambda s: commands.claim_gc(s, seqno_since=seqno_since))
+    if not claimed and not force and not sweep_orphans:
+        return GcReport(seqno_since, 0, 0, 0, 0, expired)
+    shard = machine.shard_id
+    rows = machine.consensus.scan(shard, 0)
+    if not rows:
+        return GcReport(seqno_since, 0, 0, 0, 0, expired)
+    first = rows[0].seqno
+    if first == 1:
+        walk = EMPTY_STATE
+        pending = rows
+    else:
+        data = machine.blob.get(rollup_key(shard, first))
+        if data is None:  # another GC truncated meanwhile; it did our work
+            return GcReport(seqno_since, 0, 0, 0, 0, expired)
+        walk = EMPTY_STATE.apply(decode(data, where=f"rollup {rollup_key(shard, first)!r}"))
+        pending = rows[1:]
+    # Walk the live diffs: parts of batches removed before seqno_since are garbage
+    # unless the state at seqno_since still references them.
+    candidates: set[str] = set()
+    live: set[str] = set()
+    at_since = walk
+    for row in pending:
+        diff = decode(row.data, where=f"consensus row {shard!r} SeqNo {row.seqno}")
+        if row.seqno <= seqno_since:
+            for key in diff.maps.get("batches", ({}, frozenset()))[1]:
+                old = walk.batches.get(key)
+                if old is not None:
+                    candidates.update(p.key for p in old.parts if p.key is not None)
+        walk = walk.apply(diff)
+        if walk.seqno <= seqno_since:
+            at_since = walk
+        live.update(p.key for b in walk.batches.values() for p in b.parts if p.key is not None)
+    keep = {p.key for b in at_since.batches.values() for p in b.parts if p.key is not None}
+    garbage = candidates - keep
+    for key in garbage:
+        machine.blob.delete(key)
+
+    # Truncate Consensus below a rollup at (or a little before) seqno_since.
+    rollup_at = max((s for s in at_since.rollups if s <= at_since.seqno), default=0)
+    if at_since.seqno - rollup_at >= machine.config.rollup_interval // 2 or rollup_at < first:
+        key = write_rollup(machine.blob, at_since)
+        machine.run(lambda s: commands.add_rollup(s, seqno=at_since.seqno, key=key))
+        rollup_at = at_since.seqno
+    truncated = machine.consensus.truncate(shard, rollup_at) if rollup_at > first else 0
+    current = machine.fetch_latest()
+    old_rollups = tuple(s for s in current.rollups if s < rollup_at)
+    removed = machine.run(lambda s: commands.remove_rollups(s, seqnos=old_rollups))
+    for s in removed:
+        machine.blob.delete(rollup_key(shard, s))
+
+    orphans = 0
+    if sweep_orphans:
+        orphans = _sweep_orphans(machine, live | keep, rollup_at, set(current.rollups), now)
+    log.debug(
+        "shard %s: gc to SeqNo %s deleted %s parts, %s rollups, %s rows, %s orphans",
+        shard, seqno_since, len(garbage), len(removed), truncated, orphans,
+    )
+    return GcReport(seqno_since, len(garbage), len(removed), truncated, orphans, expired)
+
+
+def _sweep_orphans(
+    machine: Machine, live: set[str], oldest_rollup: int, rollups: set[int], now_ms: int
+) -> int:
+    """Delete parts no live state references once past the grace period, and stray rollups."""
+    shard = machine.shard_id
+    grace_ms = int(machine.config.staged_part_grace_s * 1000)
+    deleted = 0
+    for meta in list(machine.blob.list_keys(f"{shard}/part/")):
+        created = part_key_created_ms(meta.key)
+        if meta.key in live or created is None or now_ms - created < grace_ms:
+            continue
+        machine.blob.delete(meta.key)
+        deleted += 1
+    for meta in list(machine.blob.list_keys(f"{shard}/rollup/")):
+        seqno = int(meta.key.rsplit("/", 1)[1])
+        if seqno < oldest_rollup and seqno not in rollups:
+            machine.blob.delete(meta.key)
+            deleted += 1
+    return deleted
+
+
+class Maintenance:
+    """A client's background worker: compaction and GC after commits, reader heartbeats.
+
+    One daemon thread per client; requests for the same shard and kind are
+    deduplicated while queued. Failures are logged, never raised into writers:
+    maintenance that does not happen is retried by the next commit.
+    """
+
+    def __init__(self, config: PersistConfig) -> None:
+        self._config = config
+        self._queue: queue.Queue[tuple[str, Machine]] = queue.Queue()
+        self._queued: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._readers: weakref.WeakSet[ReadHandle] = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+        self._busy = 0
+        self._idle = threading.Condition(self._lock)
+        self._sweeps: dict[str, int] = {}
+
+    def after_commit(self, machine: Machine, state: ShardState) -> None:
+        """Queue compaction or GC when ``state`` calls for it (cheap, pure checks)."""
+        if not self._config.maintenance:
+            return
+        if compaction_request(state, self._config) is not None:
+            self._submit("compact", machine)
+        if state.seqno_since - state.last_gc_seqno >= self._config.gc_interval:
+            self._submit("gc", machine)
+
+    def track_reader(self, reader: ReadHandle) -> None:
+        """Heartbeat ``reader`` from the background thread until it is closed or collected."""
+        with self._lock:
+            self._readers.add(reader)
+        self._ensure_thread()
+
+    def compact_now(self, machine: Machine, max_rounds: int = 1000) -> list[CompactionReport]:
+        """Run compaction until the policy asks for nothing more (or ``max_rounds``)."""
+        reports = []
+        for _ in range(max_rounds):
+            req = compaction_request(machine.fetch_latest(), self._config)
+            if req is None:
+                break
+            reports.append(compact(machine, req))
+        return reports
+
+    def gc_now(self, machine: Machine, *, sweep_orphans: bool = True) -> GcReport:
+        """Run a full GC pass now, including the orphan sweep."""
+        return gc(machine, sweep_orphans=sweep_orphans, force=True)
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Block until no maintenance is queued or running; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._queued or self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    def _submit(self, kind: str, machine: Machine) -> None:
+        key = (kind, machine.shard_id)
+        with self._lock:
+            if key in self._queued:
+                return
+            self._queued.add(key)
+        self._queue.put((kind, machine))
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="persist-maintenance", daemon=True
+                )
+                self._thread.start()
+
+    def _loop(self) -> None:
+        next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
+        while True:
+            timeout = max(0.0, next_heartbeat - time.monotonic())
+            try:
+                kind, machine = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self._heartbeat_all()
+                next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
+                continue
+            with self._lock:
+                self._queued.discard((kind, machine.shard_id))
+                self._busy += 1
+            try:
+                self._run(kind, machine)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+            if time.monotonic() >= next_heartbeat:
+                self._heartbeat_all()
+                next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
+
+    def _run(self, kind: str, machine: Machine) -> None:
+        work: Callable[[], object]
+        if kind == "compact":
+            work = lambda: self.compact_now(machine, max_rounds=8)  # noqa: E731
+        else:
+            n = self._sweeps.get(machine.shard_id, 0) + 1
+            self._sweeps[machine.shard_id] = n
+            work = lambda: gc(machine, sweep_orphans=n % 16 == 0)  # noqa: E731
+        try:
+            work()
+        except PersistError as e:
+            log.info("shard %s: background %s failed, will retry: %s", machine.shard_id, kind, e)
+        except Exception:
+            log.exception("shard %s: background %s failed", machine.shard_id, kind)
+
+    def _heartbeat_all(self) -> None:
+        with self._lock:
+            readers = list(self._readers)
+        for reader in readers:
+            try:
+                reader.heartbeat()
+            except PersistError as e:
+                log.info("reader %s of shard %s: heartbeat failed: %s", reader.reader_id,
+                         reader.shard_id, e)
