@@ -19,6 +19,7 @@ import uuid
 from collections import Counter
 
 import pyarrow as pa
+
 from pyspark_persist.state import DIFF, PersistClient, WriteHandle, default_home
 
 SCHEMA = pa.schema([("page", pa.string()), ("user", pa.int64())])

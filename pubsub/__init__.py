@@ -1,0 +1,166 @@
+"""PubSub: pushing committed state diffs between processes, so readers learn of writes at once.
+
+The story
+---------
+A shard's state changes only by compare-and-set in Consensus
+(:mod:`pyspark_persist.state`). Without PubSub, a process that reads a shard
+written elsewhere learns of a change by *polling* Consensus: an idle
+listener queries it several times a second, and a write is seen a polling
+interval later.
+
+With PubSub, every successful compare-and-set also *pushes* its diff (the
+very bytes it stored as the new Consensus row) to the other processes that
+hold the shard. Each of them applies it to its one cached state per shard
+(:class:`~pyspark_persist.state.cache.SharedState`) if, and only if, it
+follows the cached SeqNo exactly, and wakes its waiting listens: a reader
+sees a write in about a millisecond, and an idle one stops querying
+Consensus (it polls every ``listen_poll_pushed_s``, 5 s, as a safety net).
+A diff that is late, duplicated, out of order or lost changes nothing
+wrong: a duplicate is ignored, a gap makes the reader fetch from Consensus
+now, and a missing one is found by the safety-net poll.
+
+PubSub is about latency and load only, never correctness. It is off by
+default; with it off, slow, broken or killed, every write still succeeds
+(a push only enqueues) and every reader keeps up by polling, picking pushes
+up again when they come back.
+
+Inside one Python process nothing goes over the network: handles to one
+shard share one cached state and wake each other directly; a diff this
+process pushed is never sent back to it (the server skips the sender) and
+would be ignored as a duplicate if it were.
+
+Transports, all behind one entry point, :func:`connect`:
+
+- ``"host:port"``: the gRPC service from the design (a bidirectional stream
+  of PushDiff / Subscribe / Unsubscribe, ``persist_pubsub.proto``) served by
+  ``persist pubsub serve`` (:func:`serve`, default ``127.0.0.1:6879``).
+- ``"postgres"``: LISTEN/NOTIFY on the Consensus database itself.
+- ``"auto"``: nothing to run. On the embedded default (SQLite) the first
+  process serves gRPC on loopback and advertises its address next to the
+  data; the others find it there and one takes over if it dies
+  (:mod:`.auto`). On PostgreSQL it is LISTEN/NOTIFY; on ``mem://`` off.
+- ``None`` / ``"off"``: no PubSub (polling only).
+
+Example::
+
+    from pyspark_persist import pubsub
+
+    client = pubsub.open_client(blob_uri, consensus_uri, pubsub="127.0.0.1:6879")
+    ...
+    print(client.pubsub_metrics())   # pushed, applied_cleanly, fallback_polls, latency...
+
+Counters (:class:`PubSubMetrics`): diffs pushed, dropped, received,
+applied cleanly, applied out of order, duplicates, approximate push-to-apply
+latency; ``PersistClient.pubsub_metrics()`` adds the listens' fallback polls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pyspark_persist.pubsub.metrics import PubSubMetrics
+from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.machine import DiffPublisher, NoopPublisher
+
+if TYPE_CHECKING:
+    from pyspark_persist.state.client import PersistClient
+    from pyspark_persist.state.config import PersistConfig
+
+DEFAULT_ADDRESS = "127.0.0.1:6879"
+"""Where ``persist pubsub serve`` listens unless told otherwise."""
+
+_OFF = ("", "off", "none", "false", "0", "no")
+
+
+def connect(spec: str | None, consensus_uri: str) -> DiffPublisher:
+    """The publisher for ``spec`` on the Consensus at ``consensus_uri`` (see the module doc).
+
+    ``spec``: ``None``/``"off"``, ``"host:port"`` (or ``"grpc://host:port"``),
+    ``"auto"`` (or ``"auto:/dir"``) or ``"postgres"``. Connecting is lazy
+    and never fails a write; only a malformed ``spec`` raises (InvalidUsage).
+    Create one per process and location and reuse it; ``close()`` it when done.
+    """
+    text = (spec or "").strip()
+    lowered = text.lower()
+    if lowered in _OFF:
+        return NoopPublisher()
+    scheme = consensus_uri.partition("://")[0].split("+", 1)[0].lower()
+    if lowered in ("postgres", "postgresql"):
+        if scheme not in ("postgres", "postgresql"):
+            raise InvalidUsage(
+                f"pubsub={spec!r} needs a postgresql:// Consensus, not {scheme}://; "
+                "use pubsub=auto or pubsub=host:port instead"
+            )
+        from pyspark_persist.pubsub.postgres import PostgresPublisher
+
+        return PostgresPublisher(consensus_uri)
+    if lowered == "auto" or lowered.startswith("auto:"):
+        return _auto(text[5:] or None, consensus_uri, scheme)
+    address = text[7:] if lowered.startswith("grpc://") else text
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidUsage(
+            f"invalid pubsub {spec!r}: use host:port (e.g. {DEFAULT_ADDRESS}, served by "
+            "`persist pubsub serve`), auto, postgres or off"
+        )
+    from pyspark_persist.pubsub.grpc_client import GrpcPublisher
+
+    return GrpcPublisher(address, consensus_uri)
+
+
+def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublisher:
+    from pyspark_persist.pubsub.auto import AutoDiscovery, directory_for
+
+    if directory is None:
+        if scheme in ("postgres", "postgresql"):
+            from pyspark_persist.pubsub.postgres import PostgresPublisher
+
+            return PostgresPublisher(consensus_uri)
+        directory = directory_for(consensus_uri)
+        if directory is None:
+            return NoopPublisher()  # mem://: one process, the shared cache is enough
+    from pyspark_persist.pubsub.grpc_client import GrpcPublisher
+
+    return GrpcPublisher(AutoDiscovery(directory), consensus_uri)
+
+
+def serve(host: str = "127.0.0.1", port: int = 6879) -> int:
+    """Run the PubSub server in the foreground until interrupted (``persist pubsub serve``)."""
+    from pyspark_persist.pubsub.server import serve as _serve
+
+    return _serve(host, port)
+
+
+def open_client(
+    blob: str | None = None,
+    consensus: str | None = None,
+    *,
+    pubsub: str | None = None,
+    config: PersistConfig | None = None,
+) -> PersistClient:
+    """``PersistClient.open`` with PubSub: ``pubsub`` as for :func:`connect`."""
+    from pyspark_persist.state.blob import open_blob
+    from pyspark_persist.state.client import (
+        PersistClient,
+        default_blob_uri,
+        default_consensus_uri,
+    )
+    from pyspark_persist.state.consensus import open_consensus
+
+    store = open_consensus(consensus or default_consensus_uri())
+    uri = consensus or default_consensus_uri()
+    return PersistClient(
+        open_blob(blob or default_blob_uri()),
+        store,
+        config=config,
+        publisher=connect(pubsub, uri),
+    )
+
+
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "PubSubMetrics",
+    "connect",
+    "open_client",
+    "serve",
+]

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
+
 from pyspark_persist.state import commands
 from pyspark_persist.state.blob import Blob, open_blob
 from pyspark_persist.state.cache import PROCESS_CACHE, StateCache

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from typing import Generic, TypeVar
 
 from pyspark_persist.state.diff import DiffBuilder, StateDiff
@@ -98,17 +99,29 @@ def compare_and_append(
     writer_id: str,
     token: int,
     now_ms: int,
+    replace: bool = False,
 ) -> Outcome[AppendResult]:
     """Append one batch ``[expected_upper, new_upper)`` made of ``parts``, exactly once.
 
     The token is checked before the upper: a writer whose earlier attempt
-    landed learns so even after other writers moved the upper on.
+    landed learns so even after other writers moved the upper on. With
+    ``replace`` the batch also retracts everything the shard holds, by
+    negated references to its parts at time ``new_upper - 1``: one atomic
+    step from the old contents to exactly ``parts``.
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
         return Refuse(AlreadyCommitted(token=writer.last_token, upper=state.upper))
     if state.upper != expected_upper:
         return Refuse(UpperMismatch(current=state.upper))
+    if replace:
+        t = new_upper - 1
+        retract = tuple(
+            dc_replace(p, ts_rewrite=t, negate=not p.negate)
+            for batch in state.trace
+            for p in batch.parts
+        )
+        parts = retract + parts
     b = DiffBuilder(state)
     last = state.trace[-1] if state.trace else None
     if not parts and last is not None and not last.parts and last.since == state.since:
@@ -255,8 +268,12 @@ def apply_merge(
     """Swap a run of batches for their compacted merge, iff they are all still in state as read.
 
     Refuses (False) when a write or another compaction changed any of them:
-    the compactor then deletes its output and gives up or retries.
+    the compactor then deletes its output and gives up or retries. A retry
+    after an unknown outcome finds its own merge in state and reports True,
+    so the compactor never deletes parts that state references.
     """
+    if state.batches.get(merged.key) == merged:
+        return Refuse(True)
     if any(state.batches.get(b.key) != b for b in replaced):
         return Refuse(False)
     b = DiffBuilder(state)

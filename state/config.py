@@ -26,8 +26,9 @@ class PersistConfig:
     """N: parts a batch builder encodes and uploads at once before ``add`` blocks."""
     inline_write_max_bytes: int = 4096
     """Writes whose encoded updates fit this are kept inline in state: no Blob round trip."""
-    inline_total_max_bytes: int = 1 * MiB
-    """Above this many inline bytes in state, writes go to Blob until compaction moves them."""
+    inline_total_max_bytes: int = 256 * 1024
+    """Inline data in state never exceeds this: further writes go to Blob until compaction
+    moves inline data out (it keeps state, and so every rollup, small)."""
     rollup_interval: int = 64
     """A full state is written to Blob every this many SeqNos, so loading reads few diffs."""
     retry_timeout_s: float = 60.0

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from pyspark_persist.state import commands
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.diff import decode
@@ -69,20 +70,36 @@ def tier(batch: Batch, fan_in: int) -> int:
     return int(math.log(max(batch.rows, 1), fan_in))
 
 
+MAX_TIERS = 6
+"""With more than ``fan_in * MAX_TIERS`` batches, the lightest adjacent ``fan_in`` merge anyway."""
+
+
 def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch, ...] | None:
-    """The trailing run of batches that should be merged now, or None. Pure."""
+    """The run of adjacent batches that should be merged now, or None. Pure.
+
+    First choice: the oldest run of at least ``fan_in`` adjacent batches of
+    one tier, anywhere in the trace. Consolidation can shrink a merge below
+    its inputs' tier and leave tiers interleaved so that no such run forms;
+    so, second, once the trace holds more than ``fan_in * MAX_TIERS``
+    batches, the adjacent ``fan_in`` with the fewest rows merge. Together
+    they bound the trace at about ``fan_in * MAX_TIERS`` batches.
+    """
     trace = state.trace
-    if len(trace) < config.compaction_fan_in:
+    fan = config.compaction_fan_in
+    if len(trace) < fan:
         return None
-    last_tier = tier(trace[-1], config.compaction_fan_in)
-    run = 0
-    for batch in reversed(trace):
-        if tier(batch, config.compaction_fan_in) != last_tier:
-            break
-        run += 1
-    if run < config.compaction_fan_in:
-        return None
-    return trace[-run:]
+    tiers = [tier(b, fan) for b in trace]
+    start = 0
+    for i in range(1, len(trace) + 1):
+        if i == len(trace) or tiers[i] != tiers[start]:
+            if i - start >= fan:
+                return trace[start:i]
+            start = i
+    if len(trace) > fan * MAX_TIERS:
+        windows = range(len(trace) - fan + 1)
+        best = min(windows, key=lambda i: sum(b.rows for b in trace[i : i + fan]))
+        return trace[best : best + fan]
+    return None
 
 
 @dataclass(frozen=True)
@@ -118,7 +135,10 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     schema = decode_schema(state.schema)
     tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
     table = pa.concat_tables(tables) if tables else None
-    builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config)
+    # Compaction output always goes to Blob: it is what moves inline writes out of state.
+    builder = BatchBuilder(
+        machine.blob, state.shard_id, schema, machine.config, allow_inline=False
+    )
     rows_out = 0
     if table is not None and table.num_rows:
         times = pc.max_element_wise(table.column(TIME), pa.scalar(since, TIME_TYPE))

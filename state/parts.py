@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
 from pyspark_persist.state.blob import Blob
 from pyspark_persist.state.errors import (
     CorruptData,
@@ -86,6 +87,14 @@ def schema_mismatch_message(shard: str, expected: pa.Schema, actual: pa.Schema) 
         for n, t in exp.items()
         if n in act and act[n] != t
     ]
+    exp_null = {f.name: f.nullable for f in expected}
+    problems += [
+        f"column {f.name!r} is {'nullable' if f.nullable else 'non-nullable'}, the shard's is "
+        f"{'nullable' if exp_null[f.name] else 'non-nullable'}"
+        for f in actual
+        if f.name in exp_null and f.name in exp and exp[f.name] == f.type
+        and exp_null[f.name] != f.nullable
+    ]
     if not problems and expected.names != actual.names:
         problems.append(f"column order {actual.names} differs from the shard's {expected.names}")
     return (
@@ -123,6 +132,12 @@ def conform_updates(
     time = _checked_column(updates, TIME, TIME_TYPE, pa.array([0] * n, TIME_TYPE) if n else None)
     diff = _checked_column(updates, DIFF, DIFF_TYPE, pa.array([1] * n, DIFF_TYPE) if n else None)
     columns = [updates.column(name) for name in schema.names]
+    for f, col in zip(schema, columns, strict=True):
+        if not f.nullable and col.null_count:
+            raise InvalidUpdates(
+                f"column {f.name!r} of shard {shard!r} is non-nullable but {col.null_count} "
+                "updates have a null there: fill or drop those rows"
+            )
     if n == 0:
         return data_schema(schema).empty_table(), has_time
     table = pa.Table.from_arrays([*columns, time, diff], schema=data_schema(schema))
@@ -151,6 +166,47 @@ def time_bounds(table: pa.Table) -> tuple[Time, Time]:
     """The smallest and largest ``_time`` of a non-empty part table."""
     mm = pc.min_max(table.column(TIME))
     return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
+def part_ref(table: pa.Table, key: str | None, inline: bytes | None, size: int) -> PartRef:
+    """Describe a non-empty part: where it lives, its size, and its time and diff ranges."""
+    tmin, tmax = time_bounds(table)
+    dm = pc.min_max(table.column(DIFF))
+    return PartRef(
+        key, inline, size, table.num_rows, tmin, tmax,
+        dmin=int(dm["min"].as_py()), dmax=int(dm["max"].as_py()),
+        stats=column_stats(table),
+    )
+
+
+MAX_STAT_STRING = 64
+
+
+def column_stats(table: pa.Table) -> dict[str, tuple[Any, Any]]:
+    """(min, max) of each integer, floating or short string row column, ignoring nulls.
+
+    Only values that compare exactly are kept: no NaN ranges, no strings
+    longer than MAX_STAT_STRING (a truncated bound could skip a part wrongly).
+    """
+    out: dict[str, tuple[Any, Any]] = {}
+    for f in table.schema:
+        if f.name in RESERVED:
+            continue
+        t = f.type
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_string(t)
+                or pa.types.is_large_string(t)):
+            continue
+        col = table.column(f.name)
+        if col.null_count == len(col):
+            continue
+        if pa.types.is_floating(t) and pc.any(pc.is_nan(col)).as_py():
+            continue
+        mm = pc.min_max(col)
+        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        if isinstance(lo, str) and (len(lo) > MAX_STAT_STRING or len(hi) > MAX_STAT_STRING):
+            continue
+        out[f.name] = (lo, hi)
+    return out
 
 
 def new_part_key(shard_id: str) -> str:
@@ -283,6 +339,9 @@ def shape_updates(table: pa.Table | pa.RecordBatch, leased: LeasedPart) -> pa.Ta
             pc.less(t, pa.scalar(leased.upper, TIME_TYPE)),
         )
         table = table.filter(mask)
+    if part.negate:
+        idx = table.schema.get_field_index(DIFF)
+        table = table.set_column(idx, table.schema.field(idx), pc.negate(table.column(DIFF)))
     if leased.as_of is not None:
         table = with_times(table, pa.repeat(pa.scalar(leased.as_of, TIME_TYPE), table.num_rows))
     return table

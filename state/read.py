@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from pyspark_persist.state import commands
 from pyspark_persist.state.blob import Blob
 from pyspark_persist.state.errors import InvalidFrontier, LeaseExpired
@@ -40,7 +41,7 @@ from pyspark_persist.state.parts import (
     fetch_part_bytes,
     shape_updates,
 )
-from pyspark_persist.state.state import Batch, ShardState, Time
+from pyspark_persist.state.state import Batch, PartRef, ShardState, Time
 
 if TYPE_CHECKING:
     from pyspark_persist.state.maintenance import Maintenance
@@ -74,6 +75,30 @@ class ListenEvent:
     upper: Time
     seqno: int
     parts: tuple[LeasedPart, ...]
+
+
+def cancel_negations(parts: list[PartRef], as_of: Time) -> list[PartRef]:
+    """Drop each negated reference together with a plain reference to the same data.
+
+    An atomic replace retracts old contents by referencing their parts
+    negated; at an ``as_of`` that both wholly precede (all times advanced to
+    ``as_of``) the pair sums to nothing, so a snapshot need not fetch either.
+    """
+    whole = [p for p in parts if p.effective_max_time <= as_of]
+    negated = collections.Counter(p.identity for p in whole if p.negate)
+    if not negated:
+        return parts
+    plain = collections.Counter(p.identity for p in whole if not p.negate)
+    cancel = {k: min(n, plain[k]) for k, n in negated.items() if plain[k]}
+    drop_plain, drop_neg = dict(cancel), dict(cancel)
+    out = []
+    for p in parts:
+        pool = drop_neg if p.negate else drop_plain
+        if p.effective_max_time <= as_of and pool.get(p.identity, 0) > 0:
+            pool[p.identity] -= 1
+            continue
+        out.append(p)
+    return out
 
 
 def iter_parts(
@@ -135,6 +160,7 @@ class ReadHandle:
             )
         )
         self._since = registered.since
+        self._registered = machine.state().seqno
         if maintenance is not None:
             maintenance.track_reader(self)
 
@@ -168,6 +194,8 @@ class ReadHandle:
 
     def _lease_current(self, state: ShardState) -> None:
         with self._lock:
+            if self.reader_id not in state.leased_readers and state.seqno >= self._registered:
+                self._expired = True  # expired in state: nothing would protect these parts
             self._check_live()
             self._leases[state.seqno] += 1
 
@@ -247,6 +275,13 @@ class ReadHandle:
             state = self._machine.fetch_latest()
         _check_as_of(state, as_of)
         self._lease_current(state)
+        visible = [
+            p
+            for batch in state.trace
+            if batch.lower <= as_of
+            for p in batch.parts
+            if p.effective_min_time <= as_of
+        ]
         parts = tuple(
             LeasedPart(
                 shard_id=state.shard_id,
@@ -257,10 +292,7 @@ class ReadHandle:
                 as_of=as_of,
                 seqno=state.seqno,
             )
-            for batch in state.trace
-            if batch.lower <= as_of
-            for p in batch.parts
-            if p.effective_min_time <= as_of
+            for p in cancel_negations(visible, as_of)
         )
         return Snapshot(self.shard_id, as_of, state.seqno, parts)
 

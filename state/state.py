@@ -45,6 +45,9 @@ class PartRef:
     every time is read as ``max(time, ts_rewrite)``. That is how a part staged
     before its commit time was known (the Spark sink) gets its final time
     without rewriting data: the commit records the time, the bytes never change.
+    ``negate`` reads every diff with its sign flipped: an atomic replace
+    retracts the shard's old contents by referencing their parts negated,
+    without rereading or copying a byte.
     """
 
     key: str | None
@@ -54,6 +57,21 @@ class PartRef:
     min_time: Time
     max_time: Time
     ts_rewrite: Time | None = None
+    negate: bool = False
+    dmin: int | None = None
+    dmax: int | None = None
+    stats: Mapping[str, tuple[Any, Any]] | None = None
+    """Per-column (min, max) of numeric and short string columns, for skipping parts."""
+
+    @property
+    def effective_dmin(self) -> int | None:
+        """The smallest diff a reader sees (``None``: unknown)."""
+        return (-self.dmax if self.dmax is not None else None) if self.negate else self.dmin
+
+    @property
+    def identity(self) -> str | bytes:
+        """What names the stored data: the Blob key, or the inline bytes themselves."""
+        return self.key if self.key is not None else (self.inline or b"")
 
     @property
     def effective_min_time(self) -> Time:
@@ -81,6 +99,14 @@ class PartRef:
             out["inline"] = b64encode(self.inline).decode("ascii")
         if self.ts_rewrite is not None:
             out["tsr"] = self.ts_rewrite
+        if self.negate:
+            out["neg"] = True
+        if self.dmin is not None:
+            out["dmin"] = self.dmin
+        if self.dmax is not None:
+            out["dmax"] = self.dmax
+        if self.stats:
+            out["stats"] = {k: list(v) for k, v in self.stats.items()}
         return out
 
     @classmethod
@@ -98,6 +124,10 @@ class PartRef:
                 min_time=int(d["tmin"]),
                 max_time=int(d["tmax"]),
                 ts_rewrite=None if d.get("tsr") is None else int(d["tsr"]),
+                negate=bool(d.get("neg", False)),
+                dmin=None if d.get("dmin") is None else int(d["dmin"]),
+                dmax=None if d.get("dmax") is None else int(d["dmax"]),
+                stats={k: (v[0], v[1]) for k, v in d["stats"].items()} if "stats" in d else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"malformed part reference {dict(d)!r}: {e}") from e

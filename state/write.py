@@ -19,6 +19,8 @@ Parts that were staged but never committed are invisible and are deleted by
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+
 from pyspark_persist.state import commands
 from pyspark_persist.state.blob import Blob
 from pyspark_persist.state.commands import AlreadyCommitted, AppendResult, Committed
@@ -38,6 +41,7 @@ from pyspark_persist.state.parts import (
     encode_inline,
     encode_parquet,
     new_part_key,
+    part_ref,
     time_bounds,
 )
 from pyspark_persist.state.state import PartRef, Time
@@ -94,12 +98,15 @@ class BatchBuilder:
         config: PersistConfig,
         *,
         allow_inline: bool = True,
+        inline_budget: int | None = None,
     ) -> None:
         self._blob = blob
         self._shard_id = shard_id
         self._schema = schema
         self._config = config
         self._allow_inline = allow_inline
+        limit = config.inline_write_max_bytes
+        self._inline_limit = limit if inline_budget is None else min(limit, inline_budget)
         self._buffer: list[pa.Table] = []
         self._buffered_bytes = 0
         self._has_time: bool | None = None
@@ -107,6 +114,11 @@ class BatchBuilder:
         self._done: list[PartRef] = []
         self._pool: ThreadPoolExecutor | None = None
         self._finished = False
+        self._timing_lock = threading.Lock()
+        self.queued_s = 0.0
+        """Seconds ``add``/``finish`` waited for an upload slot (parts queued behind uploads)."""
+        self.upload_s = 0.0
+        """Seconds spent encoding and uploading parts, summed over the upload threads."""
 
     def add(self, updates: pa.Table | pa.RecordBatch) -> None:
         """Buffer updates; cut and upload a part whenever ``part_target_bytes`` are buffered.
@@ -145,12 +157,9 @@ class BatchBuilder:
             if (
                 inline is not None
                 and not self._done
-                and len(inline) <= self._config.inline_write_max_bytes
+                and len(inline) <= self._inline_limit
             ):
-                tmin, tmax = time_bounds(table)
-                self._done.append(
-                    PartRef(None, inline, len(inline), table.num_rows, tmin, tmax)
-                )
+                self._done.append(part_ref(table, None, inline, len(inline)))
             else:
                 self._submit(table)
         try:
@@ -188,8 +197,10 @@ class BatchBuilder:
         self._submit(self._take_buffer())
 
     def _submit(self, table: pa.Table) -> None:
+        started = time.perf_counter()
         while len(self._pending) >= self._config.max_outstanding_parts:
             self._done.append(self._pending.pop(0).result())
+        self.queued_s += time.perf_counter() - started
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 max_workers=self._config.max_outstanding_parts, thread_name_prefix="persist-upload"
@@ -197,11 +208,13 @@ class BatchBuilder:
         self._pending.append(self._pool.submit(self._upload, table))
 
     def _upload(self, table: pa.Table) -> PartRef:
+        started = time.perf_counter()
         data = encode_parquet(table)
         key = new_part_key(self._shard_id)
         self._blob.set(key, data)
-        tmin, tmax = time_bounds(table)
-        return PartRef(key, None, len(data), table.num_rows, tmin, tmax)
+        with self._timing_lock:
+            self.upload_s += time.perf_counter() - started
+        return part_ref(table, key, None, len(data))
 
     def _shutdown(self) -> None:
         if self._pool is not None:
@@ -228,7 +241,8 @@ class WriteHandle:
         self._machine = machine
         self.schema = schema
         self.writer_id = writer_id or f"w-{uuid.uuid4().hex}"
-        known = machine.state().writers.get(self.writer_id)
+        # Fresh from Consensus: a stale cache could restart the numbering at a spent token.
+        known = machine.fetch_latest().writers.get(self.writer_id) if writer_id else None
         self._next_token = (known.last_token + 1) if known else 1
 
     @property
@@ -246,8 +260,16 @@ class WriteHandle:
         return self._machine.fetch_latest().upper
 
     def builder(self) -> BatchBuilder:
-        """A builder to stage parts of this shard (possibly from another thread)."""
-        return BatchBuilder(self._machine.blob, self.shard_id, self.schema, self._machine.config)
+        """A builder to stage parts of this shard (possibly from another thread).
+
+        Tiny writes ride inline in state only while the inline data there
+        stays within ``inline_total_max_bytes`` (which bounds rollups too).
+        """
+        cfg = self._machine.config
+        return BatchBuilder(
+            self._machine.blob, self.shard_id, self.schema, cfg,
+            inline_budget=cfg.inline_total_max_bytes - self._machine.state().inline_bytes,
+        )
 
     def compare_and_append(
         self,
@@ -265,6 +287,15 @@ class WriteHandle:
         actual upper; nothing written) or AlreadyCommitted (a retry).
         """
         _check_uppers(expected_upper, new_upper)
+        table, has_time = conform_updates(updates, self.schema, self.shard_id)
+        if has_time and table.num_rows:
+            tmin, tmax = time_bounds(table)
+            if tmin < expected_upper or tmax >= new_upper:
+                raise InvalidUpdates(
+                    f"update times [{tmin}, {tmax}] of shard {self.shard_id!r} fall outside the "
+                    f"batch [{expected_upper}, {new_upper}): give every update a _time in "
+                    "that range"
+                )
         builder = self.builder()
         try:
             builder.add(updates)
@@ -286,6 +317,7 @@ class WriteHandle:
         token: int | None = None,
         ts_rewrite: Time | None = None,
         delete_on_mismatch: bool = True,
+        replace: bool = False,
     ) -> AppendResult:
         """Commit staged batches as one batch ``[expected_upper, new_upper)`` in one state change.
 
@@ -293,6 +325,8 @@ class WriteHandle:
         time is read as at least it). Parts of a surely-failed attempt
         (UpperMismatch) are deleted unless ``delete_on_mismatch`` is False
         (a caller that will retry the same staged batches at a new upper).
+        With ``replace`` the commit atomically retracts the shard's current
+        contents too, so afterwards it holds exactly these batches.
         """
         _check_uppers(expected_upper, new_upper)
         parts: list[PartRef] = []
@@ -325,6 +359,7 @@ class WriteHandle:
                 writer_id=self.writer_id,
                 token=tok,
                 now_ms=self._machine.clock_ms(),
+                replace=replace,
             )
         )
         if isinstance(result, Committed | AlreadyCommitted):
@@ -348,7 +383,7 @@ class WriteHandle:
             )
         builder = self.builder()
         try:
-            builder.add(table)
+            builder.add(updates)
             staged = builder.finish()
         except BaseException:
             builder.abort()

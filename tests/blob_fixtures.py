@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from pyspark_persist.state.blob import Blob, open_blob
 
 MOTO_BUCKET = "persist-test"

@@ -1,5 +1,13 @@
 """Shared fixtures: every backend-parametrized fixture lives in a sibling module."""
 
-from blob_fixtures import blob, blob_uri, moto_server  # noqa: F401
-from consensus_fixtures import consensus, consensus_uri, postgres_url  # noqa: F401
-from shard_fixtures import client, location, shard_name  # noqa: F401
+import os
+import tempfile
+
+# Before any Spark JVM or Python worker starts: the embedded default location of every
+# test process (and of Spark's workers, which inherit it) is a fresh directory.
+os.environ.setdefault("PERSIST_HOME", tempfile.mkdtemp(prefix="persist-home-"))
+
+from blob_fixtures import blob, blob_uri, moto_server  # noqa: E402, F401
+from consensus_fixtures import consensus, consensus_uri, postgres_url  # noqa: E402, F401
+from shard_fixtures import client, location, shard_name  # noqa: E402, F401
+from spark_fixtures import spark  # noqa: E402, F401

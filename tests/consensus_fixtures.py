@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
 from pyspark_persist.state.consensus import Consensus, open_consensus
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from blob_fixtures import MOTO_BUCKET
+
 from pyspark_persist.state.blob import Blob, open_blob
 from pyspark_persist.state.errors import (
     Indeterminate,

@@ -17,6 +17,8 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
+
 from pyspark_persist.state.consensus import (
     CaSCommitted,
     CaSMismatch,
@@ -31,7 +33,6 @@ from pyspark_persist.state.errors import (
     InvalidUsage,
     StoreUnavailable,
 )
-from sqlalchemy import text
 
 SQL_BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 """Params for ``consensus_uri`` (indirect) in tests that need a store other processes see."""

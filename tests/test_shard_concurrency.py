@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pytest
+
 from pyspark_persist.state import (
     Committed,
     ListenEvent,

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import pyarrow as pa
 import pytest
+
 from pyspark_persist.state import (
     AlreadyCommitted,
     Committed,

@@ -42,6 +42,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import Loader, create_loader
+
 from pyspark_persist.state.blob import Blob, BlobMeta, validate_key
 from pyspark_persist.state.errors import (
     Indeterminate,

@@ -36,21 +36,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pyspark_persist.state.consensus import (
-    CaSCommitted,
-    CaSMismatch,
-    CaSResult,
-    Consensus,
-    SeqNo,
-    VersionedData,
-)
-from pyspark_persist.state.consensus.mem import check_cas_args, check_scan_limit
-from pyspark_persist.state.errors import (
-    Indeterminate,
-    InvalidUri,
-    InvalidUsage,
-    StoreUnavailable,
-)
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -73,6 +58,22 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.schema import CreateTable
+
+from pyspark_persist.state.consensus import (
+    CaSCommitted,
+    CaSMismatch,
+    CaSResult,
+    Consensus,
+    SeqNo,
+    VersionedData,
+)
+from pyspark_persist.state.consensus.mem import check_cas_args, check_scan_limit
+from pyspark_persist.state.errors import (
+    Indeterminate,
+    InvalidUri,
+    InvalidUsage,
+    StoreUnavailable,
+)
 
 T = TypeVar("T")
 

@@ -1,0 +1,55 @@
+"""Schemas between Spark and the shard: Spark's StructType <-> the shard's Arrow schema.
+
+A shard created by the sink stores the DataFrame's columns (as Spark's own
+Arrow conversion gives them, every field nullable so a query whose
+nullability differs still matches); reads add ``_time`` and ``_diff``, both
+``long`` (Spark has no unsigned type; times are milliseconds, far below 2^63).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+from pyspark.sql.types import LongType, StructField, StructType
+
+from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.parts import DIFF, TIME
+
+
+def read_schema(shard_schema: pa.Schema) -> StructType:
+    """The Spark schema of a read: the shard's columns, then ``_time`` and ``_diff``."""
+    fields = list(from_arrow_schema(shard_schema).fields)
+    return StructType(
+        [*fields, StructField(TIME, LongType(), False), StructField(DIFF, LongType(), False)]
+    )
+
+
+def output_arrow_schema(schema: StructType) -> pa.Schema:
+    """The exact Arrow schema Spark expects from ``read()`` for ``schema``."""
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+def write_schema(schema: StructType) -> tuple[pa.Schema, bool]:
+    """The shard schema for a DataFrame, and whether it carries its own ``_diff`` column.
+
+    ``_time`` is assigned by the sink at commit (the micro-batch's time), so a
+    ``_time`` input column is refused with the fix spelled out.
+    """
+    names = schema.fieldNames()
+    if TIME in names:
+        raise InvalidUsage(
+            "persist sink: the DataFrame has a _time column, but the sink assigns each "
+            "micro-batch's time itself: drop or rename _time (use the Python API "
+            "compare_and_append to choose times)"
+        )
+    has_diff = DIFF in names
+    if has_diff and not isinstance(schema[DIFF].dataType, LongType):
+        raise InvalidUsage(
+            f"persist sink: column _diff must be a long (bigint) multiplicity, got "
+            f"{schema[DIFF].dataType.simpleString()}: cast it, e.g. col('_diff').cast('long')"
+        )
+    rows = StructType([f for f in schema.fields if f.name != DIFF])
+    if not rows.fields:
+        raise InvalidUsage("persist sink: the DataFrame has no columns besides _diff")
+    arrow = to_arrow_schema(rows, timezone="UTC")
+    return pa.schema([f.with_nullable(True) for f in arrow]), has_diff

@@ -1,0 +1,89 @@
+"""``PersistDataSource``: the Spark data source named ``persist``.
+
+Spark calls the methods here on the driver (in Python workers) to plan;
+every reader and writer they return is pickled to executors, so those carry
+options and schemas only and open stores lazily where they run.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from pyspark.sql.datasource import DataSource
+from pyspark.sql.types import StructType
+
+from pyspark_persist.options import PersistOptions
+from pyspark_persist.state.client import PersistClient
+
+if TYPE_CHECKING:
+    from pyspark_persist.batch_reader import PersistBatchReader
+    from pyspark_persist.stream_reader import PersistStreamReader
+    from pyspark_persist.writer import PersistBatchWriter, PersistStreamWriter
+
+_clients: dict[tuple[str, str, str | None], PersistClient] = {}
+_clients_lock = threading.Lock()
+
+
+def client_for(opts: PersistOptions) -> PersistClient:
+    """One client per location (and PubSub setting) per process, reused across micro-batches.
+
+    Spark reuses its Python workers, so a cached client keeps its shared
+    state, connections and PubSub subscription from one call to the next.
+    """
+    key = (opts.blob, opts.consensus, opts.pubsub)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            publisher = None
+            if opts.pubsub is not None:
+                from pyspark_persist.pubsub import connect
+
+                publisher = connect(opts.pubsub, opts.consensus)
+            client = _clients[key] = PersistClient.open(
+                opts.blob, opts.consensus, publisher=publisher
+            )
+        return client
+
+
+class PersistDataSource(DataSource):
+    """``spark.read/readStream/write/writeStream.format("persist")``. Options: see README."""
+
+    @classmethod
+    def name(cls) -> str:
+        """The format name users write."""
+        return "persist"
+
+    def schema(self) -> StructType:
+        """The shard's columns plus ``_time`` and ``_diff`` (the shard must exist to be read)."""
+        from pyspark_persist.schema import read_schema
+
+        opts = PersistOptions.parse(self.options, "read_schema")
+        shard = client_for(opts).open_shard(opts.shard, create=False)
+        return read_schema(shard.schema)
+
+    def reader(self, schema: StructType) -> PersistBatchReader:
+        """A batch reader of the consolidated collection at ``asOf``."""
+        from pyspark_persist.batch_reader import make_batch_reader
+
+        return make_batch_reader(PersistOptions.parse(self.options, "read"), schema)
+
+    def streamReader(self, schema: StructType) -> PersistStreamReader:
+        """A streaming reader: the snapshot, then every change, with leases held by the driver."""
+        from pyspark_persist.stream_reader import PersistStreamReader
+
+        return PersistStreamReader(PersistOptions.parse(self.options, "stream_read"), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> PersistBatchWriter:
+        """A batch writer: append, or (overwrite) atomically replace the shard's contents."""
+        from pyspark_persist.writer import PersistBatchWriter
+
+        return PersistBatchWriter(PersistOptions.parse(self.options, "write"), schema, overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> PersistStreamWriter:
+        """A streaming writer: one exactly-once compare_and_append per micro-batch."""
+        from pyspark_persist.writer import PersistStreamWriter
+
+        return PersistStreamWriter(
+            PersistOptions.parse(self.options, "stream_write"), schema, overwrite
+        )

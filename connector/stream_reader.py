@@ -1,0 +1,390 @@
+"""The streaming source: a snapshot split over many tasks, then listen ranges keyed by SeqNo.
+
+Offsets are JSON ``{"shard", "seqno", "upper", "phase", "as_of"}``: every
+update with a time below ``upper`` has been emitted (``phase: "listen"``), or
+nothing has and the next micro-batch reads the snapshot (``phase:
+"snapshot"``, at ``as_of`` if the user asked for a time). ``seqno`` is the
+state the offset was observed at. They are built only from values in state,
+so the same state always gives the same offset.
+
+Spark calls ``initialOffset``/``latestOffset``/``partitions``/``commit`` in
+one long-lived Python process on the driver, and ``read`` on executors. The
+driver side keeps a :class:`LeaseHolder`: a leased persist reader that
+leases the SeqNo of every part it hands out in ``partitions()``, and returns
+those leases (and downgrades its since to what was emitted) only when
+Spark's ``commit(end)`` says the micro-batch is done. So GC never deletes a
+part a running task still has to read, and if the driver dies, its reader
+stops heartbeating and its holds expire. ``read()`` is stateless: the
+:class:`PersistInputPartition` carries the Blob URI and the leased parts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxFiles,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from pyspark_persist.options import PersistOptions
+from pyspark_persist.state.blob import Blob, open_blob
+from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.machine import Machine
+from pyspark_persist.state.parts import LeasedPart
+from pyspark_persist.state.read import ReadHandle, iter_parts
+from pyspark_persist.state.state import ShardState
+
+log = logging.getLogger(__name__)
+
+
+class DataLoss(InvalidUsage):
+    """The offsets to read were compacted away (failOnDataLoss is true)."""
+
+
+@dataclass(frozen=True)
+class Offset:
+    """A position in a shard's changelog; see the module doc."""
+
+    shard: str
+    seqno: int
+    upper: int
+    phase: str
+    as_of: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON Spark checkpoints."""
+        return {
+            "shard": self.shard,
+            "seqno": self.seqno,
+            "upper": self.upper,
+            "phase": self.phase,
+            "as_of": -1 if self.as_of is None else self.as_of,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], shard: str) -> Offset:
+        """Read an offset back, refusing one checkpointed for another shard."""
+        if d.get("shard") != shard:
+            raise InvalidUsage(
+                f"persist source: the checkpoint holds offsets of shard {d.get('shard')!r}, "
+                f"but this query reads shard {shard!r}: use a new checkpointLocation for a "
+                "different shard"
+            )
+        try:
+            as_of = int(d.get("as_of", -1))
+            phase = str(d["phase"])
+            if phase not in ("snapshot", "listen"):
+                raise ValueError(f"phase {phase!r}")
+            return cls(shard, int(d["seqno"]), int(d["upper"]), phase, None if as_of < 0 else as_of)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidUsage(f"persist source: malformed offset {d!r} ({e})") from e
+
+
+class PersistInputPartition(InputPartition):
+    """One read task: leased parts (as JSON) and the Blob URI their bytes live under."""
+
+    def __init__(self, blob_uri: str, parts: Sequence[LeasedPart]) -> None:
+        super().__init__(None)
+        self.blob_uri = blob_uri
+        self.parts = tuple(json.dumps(p.to_json()) for p in parts)
+
+    def leased_parts(self) -> list[LeasedPart]:
+        """The parts to read, decoded."""
+        return [LeasedPart.from_json(json.loads(p)) for p in self.parts]
+
+
+def split_parts(
+    parts: Sequence[LeasedPart], split_bytes: int, min_splits: int
+) -> list[list[LeasedPart]]:
+    """Spread parts over tasks by size: about ``split_bytes`` each, at least ``min_splits``.
+
+    Largest parts first, each to the lightest task (the classic greedy
+    balance); never more tasks than parts.
+    """
+    if not parts:
+        return []
+    total = sum(p.part.size_bytes for p in parts)
+    n = max(min_splits, -(-total // max(split_bytes, 1)))
+    n = min(n, len(parts))
+    bins: list[list[LeasedPart]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for p in sorted(parts, key=lambda p: p.part.size_bytes, reverse=True):
+        i = loads.index(min(loads))
+        bins[i].append(p)
+        loads[i] += p.part.size_bytes
+    return bins
+
+
+class LeaseHolder:
+    """The driver-side half of the source: plans micro-batches and holds their leases."""
+
+    def __init__(self, opts: PersistOptions) -> None:
+        from pyspark_persist.source import client_for
+
+        self._opts = opts
+        self._client = client_for(opts)
+        self._shard = self._client.open_shard(opts.shard, create=False)
+        self._reader: ReadHandle = self._shard.reader()
+        self._lock = threading.Lock()
+        self._leased: dict[int, list[int]] = {}  # end upper -> SeqNos leased for that batch
+        self.available_now_upper: int | None = None
+
+    @property
+    def machine(self) -> Machine:
+        """The shard's state machine in this process."""
+        return self._shard.machine
+
+    def current_state(self) -> ShardState:
+        """The newest state: pushed by PubSub when it is on, else read from Consensus now."""
+        if self._opts.pubsub is not None:
+            return self.machine.state()
+        return self.machine.fetch_latest()
+
+    def initial_offset(self) -> Offset:
+        """Where a new query starts: before the snapshot, or at the upper for 'latest'."""
+        state = self.current_state()
+        if self._opts.starting_position == "latest":
+            return Offset(state.shard_id, state.seqno, state.upper, "listen")
+        as_of = self._opts.starting_as_of
+        if as_of is not None and as_of < state.since:
+            as_of = self._data_loss(
+                f"startingAsOf {as_of} is before the shard's since {state.since} (compacted)",
+                state.since,
+            )
+        return Offset(state.shard_id, 0, 0, "snapshot", as_of)
+
+    def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
+        """The end of the next micro-batch: everything available, cut by the read limit."""
+        state = self.current_state()
+        target = state.upper
+        if self.available_now_upper is not None:
+            target = min(target, self.available_now_upper)
+        if start.phase == "snapshot":
+            if start.as_of is not None:
+                if start.as_of >= target:
+                    return start  # the time asked for is not complete yet
+                return Offset(state.shard_id, state.seqno, start.as_of + 1, "listen")
+            if target == 0:
+                return start
+            return Offset(state.shard_id, state.seqno, target, "listen")
+        if target <= start.upper:
+            return start
+        end = _limited_upper(state, start.upper, target, limit)
+        return Offset(state.shard_id, state.seqno, end, "listen")
+
+    def latest_available(self) -> Offset:
+        """The newest offset, ignoring limits (for Spark's progress report)."""
+        state = self.current_state()
+        return Offset(state.shard_id, state.seqno, state.upper, "listen")
+
+    def plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
+        """Lease and split the parts of ``(start, end]``; held until ``commit(end)``."""
+        if end.upper <= start.upper and start.phase == "listen":
+            return []
+        state = self.machine.state()
+        if state.seqno < end.seqno or state.upper < end.upper:
+            state = self.machine.fetch_latest()
+        if start.phase == "snapshot":
+            as_of = end.upper - 1
+            if as_of < state.since:
+                as_of = self._data_loss(
+                    f"the snapshot at {as_of} is before the shard's since {state.since}",
+                    state.since,
+                )
+            parts = self._snapshot_parts(as_of)
+        else:
+            lower = start.upper
+            if lower - 1 < state.since:
+                lower = self._data_loss(
+                    f"times [{lower}, {state.since}] were compacted before this query read them",
+                    state.since + 1,
+                )
+            parts = self._listen_parts(state, lower, end.upper)
+        splits = split_parts(parts, self._opts.split_size_bytes, self._opts.min_partitions)
+        blob_uri = self._client.blob.uri
+        return [PersistInputPartition(blob_uri, s) for s in splits]
+
+    def _snapshot_parts(self, as_of: int) -> list[LeasedPart]:
+        snap = self._reader.snapshot(as_of)
+        self._remember(as_of + 1, snap.seqno)
+        return list(snap.parts)
+
+    def _listen_parts(self, state: ShardState, lower: int, upper: int) -> list[LeasedPart]:
+        self._reader.lease(state.seqno)
+        self._remember(upper, state.seqno)
+        uri = self._client.blob.uri
+        return [
+            LeasedPart(state.shard_id, uri, p, lower, upper, None, state.seqno)
+            for b in state.trace
+            if b.upper > lower and b.lower < upper
+            for p in b.parts
+            if p.effective_max_time >= lower and p.effective_min_time < upper
+        ]
+
+    def _remember(self, end_upper: int, seqno: int) -> None:
+        with self._lock:
+            self._leased.setdefault(end_upper, []).append(seqno)
+
+    def commit(self, end: Offset) -> None:
+        """Spark finished every micro-batch up to ``end``: return their leases, move since on."""
+        with self._lock:
+            done = [u for u in self._leased if u <= end.upper]
+            seqnos = [s for u in done for s in self._leased.pop(u)]
+        for s in seqnos:
+            self._reader.release(s)
+        if end.phase == "listen" and end.upper > 0:
+            self._reader.downgrade_since(end.upper - 1)
+        else:
+            self._reader.heartbeat()
+
+    def close(self) -> None:
+        """Expire the reader now (Spark stopped the query)."""
+        self._reader.close()
+
+    def _data_loss(self, what: str, resume: int) -> int:
+        if self._opts.fail_on_data_loss:
+            raise DataLoss(
+                f"persist source, shard {self._opts.shard!r}: {what}. The data is gone; set "
+                "option failOnDataLoss=false to skip ahead to what is still readable"
+            )
+        log.warning("shard %s: %s; failOnDataLoss=false: skipping ahead to %s",
+                    self._opts.shard, what, resume)
+        return resume
+
+
+def _limited_upper(state: ShardState, lower: int, target: int, limit: ReadLimit) -> int:
+    """The upper of the longest run of whole batches from ``lower`` that fits ``limit``.
+
+    A micro-batch always takes at least one batch with data, so a single
+    batch larger than the limit still makes progress.
+    """
+    if isinstance(limit, ReadAllAvailable):
+        return target
+    used = 0
+    end = lower
+    for b in state.trace:
+        if b.upper <= lower:
+            continue
+        if b.upper > target:
+            break
+        if isinstance(limit, ReadMaxBytes):
+            cost, cap = b.size_bytes, limit.max_bytes
+        elif isinstance(limit, ReadMaxFiles):
+            cost, cap = len(b.parts), limit.max_files
+        elif isinstance(limit, ReadMaxRows):
+            cost, cap = b.rows, limit.max_rows
+        else:
+            return target
+        if used > 0 and used + cost > cap:
+            break
+        used += cost
+        end = b.upper
+    return end
+
+
+class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``spark.readStream.format("persist")``. Pickled to executors: only options travel."""
+
+    def __init__(self, opts: PersistOptions, schema: StructType) -> None:
+        self._opts = opts
+        self._schema = schema
+        self._holder: LeaseHolder | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_holder"] = None
+        return state
+
+    @property
+    def holder(self) -> LeaseHolder:
+        """The driver-side lease holder, created on first use (only the driver uses it)."""
+        if self._holder is None:
+            self._holder = LeaseHolder(self._opts)
+        return self._holder
+
+    def _offset(self, d: dict[str, Any]) -> Offset:
+        return Offset.from_dict(d, self._opts.shard)
+
+    def initialOffset(self) -> dict[str, Any]:
+        """Before the snapshot (default), at the current upper ('latest'), or at startingAsOf."""
+        return self.holder.initial_offset().to_dict()
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        """The next micro-batch's end offset under ``limit``."""
+        return self.holder.latest_offset(self._offset(start), limit).to_dict()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        """maxBytes/Files/RowsPerTrigger if set, else everything available."""
+        if self._opts.max_bytes is not None:
+            return ReadMaxBytes(self._opts.max_bytes)
+        if self._opts.max_files is not None:
+            return ReadMaxFiles(self._opts.max_files)
+        if self._opts.max_rows is not None:
+            return ReadMaxRows(self._opts.max_rows)
+        return ReadAllAvailable()
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        """The newest offset, so Spark's progress shows how far behind the query is."""
+        return self.holder.latest_available().to_dict()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Trigger.AvailableNow: stop at the upper seen now."""
+        self.holder.available_now_upper = self.holder.current_state().upper
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        """Lease and split the parts between two offsets."""
+        return self.holder.plan(self._offset(start), self._offset(end))
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Stream the partition's leased parts as Arrow batches in the output schema."""
+        assert isinstance(partition, PersistInputPartition)
+        yield from read_partition(partition, self._schema)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """Return the leases of finished micro-batches and downgrade since."""
+        self.holder.commit(self._offset(end))
+
+    def stop(self) -> None:
+        """Expire the driver's reader."""
+        if self._holder is not None:
+            self._holder.close()
+
+
+_blobs: dict[str, Blob] = {}
+_blobs_lock = threading.Lock()
+
+
+def _blob(uri: str) -> Blob:
+    """One Blob per URI per executor process (Spark reuses Python workers)."""
+    with _blobs_lock:
+        blob = _blobs.get(uri)
+        if blob is None:
+            blob = _blobs[uri] = open_blob(uri)
+        return blob
+
+
+def read_partition(
+    partition: PersistInputPartition, schema: StructType
+) -> Iterator[pa.RecordBatch]:
+    """Fetch a partition's parts (the next one while emitting the current) as Arrow batches."""
+    from pyspark_persist.schema import output_arrow_schema
+
+    target = output_arrow_schema(schema)
+    parts = partition.leased_parts()
+    for table in iter_parts(_blob(partition.blob_uri), parts):
+        if table.num_rows:
+            yield from table.select(target.names).cast(target).to_batches()
+

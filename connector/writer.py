@@ -1,0 +1,266 @@
+"""The sink: executors stage parts in ``write()``; the driver commits once in ``commit()``.
+
+Every task of a micro-batch stages its rows as Parquet parts in Blob
+(bounded memory: parts of ``partSizeBytes``, a bounded number uploading)
+and returns a :class:`PersistCommitMessage` naming them; nothing is visible
+yet. ``commit(messages, batchId)`` on the driver makes all of them visible
+in ONE compare_and_append at a fresh time ``T = max(upper, now in ms)``,
+retrying when another writer moved the upper. The commit carries the
+idempotency token ``batchId`` under a writer id that is the streaming
+query's own id (read from its checkpoint), so a micro-batch replayed after a
+crash is answered "already committed" and applied once. ``abort`` deletes
+what was staged; parts of a crashed attempt are reclaimed by GC later.
+
+Complete output mode and ``mode("overwrite")`` replace the shard's contents
+atomically: the same commit retracts what is there (by reference, no reread)
+and inserts the new result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+from pyspark_persist.options import PersistOptions
+from pyspark_persist.schema import write_schema
+from pyspark_persist.source import client_for
+from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
+from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.parts import DIFF, DIFF_TYPE, decode_schema, encode_schema
+from pyspark_persist.state.write import BatchBuilder, StagedBatch, delete_staged
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "persist-sink-metrics.jsonl"
+"""Per-micro-batch sink figures, appended (one JSON object a line) in the checkpoint directory."""
+
+
+@dataclass
+class PersistCommitMessage(WriterCommitMessage):
+    """What one task staged (a StagedBatch as JSON) and how long it took."""
+
+    staged: str
+    rows: int
+    size_bytes: int
+    parts: int
+    queued_s: float
+    upload_s: float
+    task_s: float
+
+
+@dataclass
+class SinkBatchMetrics:
+    """The figures of one committed micro-batch (logged at INFO and appended to METRICS_FILE)."""
+
+    batch_id: int
+    outcome: str
+    rows: int
+    size_bytes: int
+    parts: int
+    tasks: int
+    queued_s: float
+    upload_s: float
+    commit_s: float
+    upper: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def query_writer_id(opts: PersistOptions) -> str:
+    """The writer identity of a streaming query: stable across restarts from one checkpoint.
+
+    ``writerId`` if given; else the query id Spark keeps in
+    ``<checkpointLocation>/metadata``; else (a checkpoint we cannot read
+    locally) a hash of the checkpoint location. A new checkpoint is a new
+    query and so a new writer: its batches are written, never skipped.
+    """
+    if opts.writer_id:
+        return opts.writer_id
+    if not opts.checkpoint_location:
+        raise InvalidUsage(
+            "persist sink: exactly-once needs a stable query identity: set "
+            '.option("checkpointLocation", ...) on writeStream (or .option("writerId", ...))'
+        )
+    path = opts.checkpoint_location.removeprefix("file://").removeprefix("file:")
+    try:
+        with open(os.path.join(path, "metadata")) as f:
+            return f"spark-query-{json.loads(f.readline())['id']}"
+    except (OSError, ValueError, KeyError):
+        digest = hashlib.sha256(opts.checkpoint_location.encode()).hexdigest()[:24]
+        return f"spark-checkpoint-{digest}"
+
+
+def _prepare_shard(opts: PersistOptions, schema: StructType) -> tuple[bytes, bool]:
+    """Create the shard on first write, or check the DataFrame matches it; before any task."""
+    arrow, has_diff = write_schema(schema)
+    shard = client_for(opts).open_shard(opts.shard, arrow, create=True)
+    return encode_schema(shard.schema), has_diff
+
+
+def stage_rows(
+    opts: PersistOptions, shard_schema: bytes, has_diff: bool, batches: Iterator[pa.RecordBatch]
+) -> PersistCommitMessage:
+    """Executor side: stage one task's rows as parts; return what was staged."""
+    from pyspark_persist.stream_reader import _blob
+
+    started = time.perf_counter()
+    schema = decode_schema(shard_schema)
+    target = schema.append(pa.field(DIFF, DIFF_TYPE)) if has_diff else schema
+    config = PersistConfig(
+        part_target_bytes=opts.part_size_bytes or PersistConfig.part_target_bytes
+    )
+    builder = BatchBuilder(_blob(opts.blob), opts.shard, schema, config, allow_inline=False)
+    try:
+        for rb in batches:
+            if rb.num_rows:
+                builder.add(pa.Table.from_batches([rb]).select(target.names).cast(target))
+        staged = builder.finish()
+    except BaseException:
+        builder.abort()
+        raise
+    return PersistCommitMessage(
+        staged=json.dumps(staged.to_json()),
+        rows=staged.rows,
+        size_bytes=staged.size_bytes,
+        parts=len(staged.parts),
+        queued_s=builder.queued_s,
+        upload_s=builder.upload_s,
+        task_s=time.perf_counter() - started,
+    )
+
+
+def _staged(messages: list[WriterCommitMessage | None]) -> list[PersistCommitMessage]:
+    return [m for m in messages if isinstance(m, PersistCommitMessage)]
+
+
+def commit_staged(
+    opts: PersistOptions,
+    writer_id: str,
+    token: int,
+    messages: list[WriterCommitMessage | None],
+    replace: bool,
+) -> SinkBatchMetrics:
+    """Driver side: make every task's parts visible in one compare_and_append, exactly once."""
+    started = time.perf_counter()
+    msgs = _staged(messages)
+    staged = [StagedBatch.from_json(json.loads(m.staged)) for m in msgs]
+    client = client_for(opts)
+    writer = client.open_shard(opts.shard, create=False).writer(writer_id)
+    upper = writer.fetch_upper()
+    while True:
+        t = max(upper, time.time_ns() // 1_000_000)
+        result = writer.compare_and_append_batches(
+            staged, upper, t + 1, token=token, ts_rewrite=t, delete_on_mismatch=False,
+            replace=replace,
+        )
+        if not isinstance(result, UpperMismatch):
+            break
+        upper = result.current
+    outcome = "committed" if isinstance(result, Committed) else "already committed"
+    assert isinstance(result, Committed | AlreadyCommitted)
+    return SinkBatchMetrics(
+        batch_id=token,
+        outcome=outcome,
+        rows=sum(m.rows for m in msgs),
+        size_bytes=sum(m.size_bytes for m in msgs),
+        parts=sum(m.parts for m in msgs),
+        tasks=len(msgs),
+        queued_s=round(sum(m.queued_s for m in msgs), 6),
+        upload_s=round(sum(m.upload_s for m in msgs), 6),
+        commit_s=round(time.perf_counter() - started, 6),
+        upper=result.upper,
+    )
+
+
+def abort_staged(opts: PersistOptions, messages: list[WriterCommitMessage | None]) -> None:
+    """Delete every part the tasks staged: the micro-batch was not committed."""
+    from pyspark_persist.stream_reader import _blob
+
+    blob = _blob(opts.blob)
+    state = client_for(opts).open_shard(opts.shard, create=False).state()
+    referenced = {p.key for b in state.batches.values() for p in b.parts}
+    for m in _staged(messages):
+        # A commit whose reply was lost may have landed: never delete what state references.
+        parts = StagedBatch.from_json(json.loads(m.staged)).parts
+        delete_staged(blob, [p for p in parts if p.key not in referenced])
+
+
+def _report(metrics: SinkBatchMetrics, checkpoint: str | None) -> None:
+    record = json.dumps(metrics.__dict__)
+    log.info("persist sink: %s", record)
+    if checkpoint is None:
+        return
+    path = checkpoint.removeprefix("file://").removeprefix("file:")
+    if os.path.isdir(path):
+        with open(os.path.join(path, METRICS_FILE), "a") as f:
+            f.write(record + "\n")
+
+
+def read_sink_metrics(checkpoint_location: str) -> list[dict[str, Any]]:
+    """The per-micro-batch figures a streaming query's persist sink recorded, oldest first."""
+    path = checkpoint_location.removeprefix("file://").removeprefix("file:")
+    try:
+        with open(os.path.join(path, METRICS_FILE)) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+class PersistStreamWriter(DataSourceStreamArrowWriter):
+    """``df.writeStream.format("persist")``: append, or complete mode as an atomic replace."""
+
+    def __init__(self, opts: PersistOptions, schema: StructType, overwrite: bool) -> None:
+        self._opts = opts
+        self._writer_id = query_writer_id(opts)
+        self._schema_bytes, self._has_diff = _prepare_shard(opts, schema)
+        self._replace = overwrite
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> PersistCommitMessage:
+        """Stage this task's rows (executor)."""
+        return stage_rows(self._opts, self._schema_bytes, self._has_diff, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Commit the micro-batch exactly once (driver)."""
+        metrics = commit_staged(self._opts, self._writer_id, batchId, messages, self._replace)
+        _report(metrics, self._opts.checkpoint_location)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Delete what the micro-batch staged (driver)."""
+        abort_staged(self._opts, messages)
+
+
+class PersistBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("persist")``: ``mode("append")`` or ``mode("overwrite")`` (atomic)."""
+
+    def __init__(self, opts: PersistOptions, schema: StructType, overwrite: bool) -> None:
+        self._opts = opts
+        self._writer_id = opts.writer_id or f"spark-batch-{os.urandom(12).hex()}"
+        self._schema_bytes, self._has_diff = _prepare_shard(opts, schema)
+        self._replace = overwrite
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> PersistCommitMessage:
+        """Stage this task's rows (executor)."""
+        return stage_rows(self._opts, self._schema_bytes, self._has_diff, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Commit the whole job in one compare_and_append (driver)."""
+        token = int(time.time_ns() // 1_000_000) if self._opts.writer_id else 1
+        _report(commit_staged(self._opts, self._writer_id, token, messages, self._replace), None)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Delete what the job staged (driver)."""
+        abort_staged(self._opts, messages)

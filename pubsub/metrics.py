@@ -1,0 +1,73 @@
+"""Counters a user can read to see what PubSub did for a process."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+_LATENCY_SAMPLES = 1024
+
+
+@dataclass
+class PubSubMetrics:
+    """What one publisher (one transport connection) pushed, received and applied.
+
+    Read them with :meth:`snapshot` (or ``PersistClient.pubsub_metrics()``,
+    which adds the client's ``fallback_polls``).
+    """
+
+    pushed: int = 0
+    """Diffs this process committed and queued for other processes."""
+    push_dropped: int = 0
+    """Diffs not sent: the send queue was full or they waited too long (server slow or gone)."""
+    sent: int = 0
+    """Diffs handed to the transport."""
+    received: int = 0
+    """Diffs that arrived for a subscribed shard."""
+    applied_cleanly: int = 0
+    """Received diffs that followed the cached SeqNo exactly and were applied."""
+    applied_out_of_order: int = 0
+    """Received diffs with a gap before them: the shard read Consensus instead."""
+    duplicates: int = 0
+    """Received diffs already in the cached state (delivered twice, or seen in-process)."""
+    not_subscribed: int = 0
+    """Received diffs for a shard this process is not subscribed to (ignored)."""
+    notified: int = 0
+    """Notifications without the diff (too large for the transport): the shard read Consensus."""
+    connects: int = 0
+    """Times the transport connected (or reconnected)."""
+    disconnects: int = 0
+    """Times a live connection was lost."""
+    _latency_ms: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES), repr=False
+    )
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def incr(self, name: str, by: int = 1) -> None:
+        """Add ``by`` to the counter ``name`` (thread-safe)."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + by)
+
+    def record_latency(self, ms: float) -> None:
+        """Record one push-to-apply latency (writer's wall clock to this process applying it)."""
+        with self._lock:
+            self._latency_ms.append(max(0.0, ms))
+
+    def snapshot(self) -> dict[str, float]:
+        """The counters, plus ``latency_p50_ms``/``latency_p95_ms`` over recent applies."""
+        with self._lock:
+            out: dict[str, float] = {
+                k: v for k, v in vars(self).items() if not k.startswith("_")
+            }
+            lat = sorted(self._latency_ms)
+        out["latency_samples"] = len(lat)
+        out["latency_p50_ms"] = _pct(lat, 0.50)
+        out["latency_p95_ms"] = _pct(lat, 0.95)
+        return out
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]

@@ -1,0 +1,259 @@
+"""The PubSub server: forwards each pushed diff to the other connections subscribed to it.
+
+One bidirectional gRPC stream per client process (``ProtoPersistPubSub.PubSub``).
+The server keeps, per topic, the set of connections subscribed to it; a
+``PushDiff`` goes to each of them except the sender, a ``Subscribe`` is
+registered and then sent back as the acknowledgement (every diff the server
+receives after that is forwarded). A subscriber that cannot keep up (its
+outgoing queue is full) has its stream ended: it reconnects, resubscribes
+and catches up from Consensus, which is cheaper than an unbounded queue.
+
+Run it with ``persist pubsub serve`` (or :func:`serve`); it binds
+``127.0.0.1:6879`` unless told otherwise. It holds no durable state: killing
+it only makes readers fall back to polling until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from pyspark_persist.pubsub import persist_pubsub_pb2 as pb
+from pyspark_persist.pubsub import persist_pubsub_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 6879
+CONNECTION_QUEUE = 4096
+"""Messages waiting for one subscriber before its stream is ended as too slow."""
+
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class _Conn:
+    """One client stream: its outgoing queue and the topics it subscribed to."""
+
+    __slots__ = ("queue", "topics", "peer", "ended")
+
+    def __init__(self, peer: str) -> None:
+        self.queue: asyncio.Queue[pb.ProtoPubSubMessage | None] = asyncio.Queue(CONNECTION_QUEUE)
+        self.topics: set[str] = set()
+        self.peer = peer
+        self.ended = False
+
+    def offer(self, msg: pb.ProtoPubSubMessage) -> bool:
+        """Queue ``msg``; on overflow end the stream (the client catches up). False if dropped."""
+        if self.ended:
+            return False
+        try:
+            self.queue.put_nowait(msg)
+            return True
+        except asyncio.QueueFull:
+            self.end()
+            return False
+
+    def end(self) -> None:
+        """Finish the stream after what is already queued (or at once, if full)."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.queue.full():
+            while not self.queue.empty():
+                self.queue.get_nowait()
+        self.queue.put_nowait(None)
+
+
+class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
+    def __init__(self, server: PubSubServer) -> None:
+        self._server = server
+        self._subs: dict[str, set[_Conn]] = {}
+
+    async def PubSub(  # noqa: N802 - the gRPC method name
+        self, request_iterator: AsyncIterator[pb.ProtoPubSubMessage], context: Any
+    ) -> AsyncIterator[pb.ProtoPubSubMessage]:
+        conn = _Conn(str(context.peer()))
+        self._server.counters["connections"] += 1
+        reader = asyncio.ensure_future(self._read(request_iterator, conn))
+        try:
+            while True:
+                msg = await conn.queue.get()
+                if msg is None:
+                    return
+                yield msg
+        finally:
+            reader.cancel()
+            for topic in conn.topics:
+                subs = self._subs.get(topic)
+                if subs is not None:
+                    subs.discard(conn)
+                    if not subs:
+                        del self._subs[topic]
+            self._server.counters["connections"] -= 1
+
+    async def _read(
+        self, request_iterator: AsyncIterator[pb.ProtoPubSubMessage], conn: _Conn
+    ) -> None:
+        counters = self._server.counters
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("message")
+                if kind == "push_diff":
+                    counters["diffs_received"] += 1
+                    for other in self._subs.get(msg.push_diff.shard_id, ()):
+                        if other is not conn:
+                            if other.offer(msg):
+                                counters["diffs_forwarded"] += 1
+                            else:
+                                counters["slow_subscribers_dropped"] += 1
+                elif kind == "subscribe":
+                    topic = msg.subscribe.shard
+                    self._subs.setdefault(topic, set()).add(conn)
+                    conn.topics.add(topic)
+                    conn.offer(msg)  # the acknowledgement
+                elif kind == "unsubscribe":
+                    topic = msg.unsubscribe.shard
+                    conn.topics.discard(topic)
+                    subs = self._subs.get(topic)
+                    if subs is not None:
+                        subs.discard(conn)
+                        if not subs:
+                            del self._subs[topic]
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass
+        except Exception as e:  # noqa: BLE001 - one broken client must not stop the server
+            log.warning("pubsub server: stream from %s failed: %s", conn.peer, e)
+        finally:
+            conn.end()
+
+
+class PubSubServer:
+    """A PubSub server on ``host:port`` (``port=0``: any free port), run on its own thread.
+
+    Example::
+
+        server = PubSubServer("127.0.0.1", 0).start()
+        print(server.address)          # e.g. "127.0.0.1:41235"
+        ...
+        server.stop()
+    """
+
+    def __init__(self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+        self.host = host
+        self.port = port
+        self.counters: dict[str, int] = {
+            "connections": 0,
+            "diffs_received": 0,
+            "diffs_forwarded": 0,
+            "slow_subscribers_dropped": 0,
+        }
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._grace_s = 0.0
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as bound (the real port when 0 was asked for)."""
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> PubSubServer:
+        """Bind and start serving on a daemon thread; raise OSError if the address is taken."""
+        self._thread = threading.Thread(target=self._run, name="persist-pubsub-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop serving: live streams end, their clients fall back to polling and retry."""
+        self._grace_s = grace_s
+        loop, stopping = self._loop, self._stopping
+        if loop is not None and stopping is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stopping.set)
+        if self._thread is not None:
+            self._thread.join(timeout=5 + grace_s)
+
+    def wait(self) -> None:
+        """Block until the server stops."""
+        if self._thread is not None:
+            while self._thread.is_alive():
+                self._thread.join(timeout=0.5)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            if not self._ready.is_set():
+                self._error = e
+            else:
+                log.warning("pubsub server stopped: %s", e)
+        finally:
+            self._ready.set()
+            loop.close()
+
+    async def _main(self) -> None:
+        self._stopping = asyncio.Event()
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_ProtoPersistPubSubServicer_to_server(_Servicer(self), server)
+        try:
+            port = server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError as e:
+            raise OSError(
+                f"cannot serve persist PubSub on {self.host}:{self.port}: {e} (is the port in "
+                "use? pick another with --port)"
+            ) from None
+        if port == 0:
+            raise OSError(
+                f"cannot serve persist PubSub on {self.host}:{self.port}: the address is in use "
+                "or not local; pick another with --port"
+            )
+        self.port = port
+        await server.start()
+        self._ready.set()
+        await self._stopping.wait()
+        await server.stop(self._grace_s)
+
+
+def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> int:
+    """Run a PubSub server in the foreground until SIGINT/SIGTERM (the ``persist pubsub serve``
+    command); returns the exit status."""
+    server = PubSubServer(host, port).start()
+    print(f"persist pubsub: serving on {server.address} (Ctrl-C to stop)", flush=True)
+    done = threading.Event()
+
+    def _stop(*_: object) -> None:
+        done.set()
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread
+            previous[sig] = signal.signal(sig, _stop)
+    try:
+        while not done.wait(0.5):
+            if server._thread is not None and not server._thread.is_alive():
+                break
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
