@@ -77,7 +77,7 @@ class PersistBatchReader(DataSourceReader):
         parts = [p for p in snap.parts if not _skip(p.part, self._filters)]
         skipped = len(snap.parts) - len(parts)
         if skipped:
-            log.info("persist: pushed filters skipped %s of %s parts", skipped, len(snap.parts))
+            log.debug("persist: pushed filters skipped %s of %s parts", skipped, len(snap.parts))
         if any((p.part.effective_dmin or -1) <= 0 for p in parts):
             return [ConsolidatingPartition(client.blob.uri, parts)] if parts else []
         splits = split_parts(parts, self._opts.split_size_bytes, self._opts.min_partitions)
@@ -87,7 +87,8 @@ class PersistBatchReader(DataSourceReader):
         """Stream one task's parts as Arrow batches (executor)."""
         from pyspark_persist.schema import output_arrow_schema
 
-        assert isinstance(partition, PersistInputPartition)
+        if not isinstance(partition, PersistInputPartition):
+            return  # partitions() found nothing to read: Spark still runs one (None) task
         target = output_arrow_schema(self._schema)
         tables: Iterable[pa.Table] = iter_parts(
             _blob(partition.blob_uri), partition.leased_parts()

@@ -279,6 +279,11 @@ def _limited_upper(state: ShardState, lower: int, target: int, limit: ReadLimit)
         if b.upper <= lower:
             continue
         if b.upper > target:
+            # A batch compacted across the target (the AvailableNow upper): with nothing
+            # taken yet, take it up to the target (listen parts are cut by time), or the
+            # query would make no progress and never end.
+            if used == 0:
+                end = target
             break
         if isinstance(limit, ReadMaxBytes):
             cost, cap = b.size_bytes, limit.max_bytes
@@ -350,7 +355,8 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Stream the partition's leased parts as Arrow batches in the output schema."""
-        assert isinstance(partition, PersistInputPartition)
+        if not isinstance(partition, PersistInputPartition):
+            return  # partitions() found nothing to read: Spark still runs one (None) task
         yield from read_partition(partition, self._schema)
 
     def commit(self, end: dict[str, Any]) -> None:

@@ -34,6 +34,11 @@ Transports, all behind one entry point, :func:`connect`:
 - ``"host:port"``: the gRPC service from the design (a bidirectional stream
   of PushDiff / Subscribe / Unsubscribe, ``persist_pubsub.proto``) served by
   ``persist pubsub serve`` (:func:`serve`, default ``127.0.0.1:6879``).
+- ``"tls://host:port"``: the same over TLS (trusting ``tls_ca``, a PEM file,
+  or the system roots). A server started with a token (``--token`` or
+  ``$PERSIST_PUBSUB_TOKEN``) rejects streams without it; clients send
+  ``token=`` (default ``$PERSIST_PUBSUB_TOKEN``) as gRPC metadata. The
+  server binds loopback only unless started with ``--allow-remote``.
 - ``"postgres"``: LISTEN/NOTIFY on the Consensus database itself.
 - ``"auto"``: nothing to run. On the embedded default (SQLite) the first
   process serves gRPC on loopback and advertises its address next to the
@@ -56,6 +61,7 @@ latency; ``PersistClient.pubsub_metrics()`` adds the listens' fallback polls.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from pyspark_persist.pubsub.metrics import PubSubMetrics
@@ -70,12 +76,21 @@ DEFAULT_ADDRESS = "127.0.0.1:6879"
 """Where ``persist pubsub serve`` listens unless told otherwise."""
 
 _OFF = ("", "off", "none", "false", "0", "no")
+TOKEN_ENV = "PERSIST_PUBSUB_TOKEN"
+"""Environment variable holding the shared PubSub token (server and clients)."""
 
 
-def connect(spec: str | None, consensus_uri: str) -> DiffPublisher:
+def connect(
+    spec: str | None,
+    consensus_uri: str,
+    *,
+    token: str | None = None,
+    tls_ca: str | None = None,
+) -> DiffPublisher:
     """The publisher for ``spec`` on the Consensus at ``consensus_uri`` (see the module doc).
 
-    ``spec``: ``None``/``"off"``, ``"host:port"`` (or ``"grpc://host:port"``),
+    ``spec``: ``None``/``"off"``, ``"host:port"`` (or ``"grpc://host:port"``,
+    ``"tls://host:port"`` for TLS trusting the PEM file ``tls_ca``),
     ``"auto"`` (or ``"auto:/dir"``) or ``"postgres"``. Connecting is lazy
     and never fails a write; only a malformed ``spec`` raises (InvalidUsage).
     Create one per process and location and reuse it; ``close()`` it when done.
@@ -96,7 +111,8 @@ def connect(spec: str | None, consensus_uri: str) -> DiffPublisher:
         return PostgresPublisher(consensus_uri)
     if lowered == "auto" or lowered.startswith("auto:"):
         return _auto(text[5:] or None, consensus_uri, scheme)
-    address = text[7:] if lowered.startswith("grpc://") else text
+    tls = lowered.startswith("tls://")
+    address = text[7:] if lowered.startswith("grpc://") else text[6:] if tls else text
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidUsage(
@@ -105,7 +121,14 @@ def connect(spec: str | None, consensus_uri: str) -> DiffPublisher:
         )
     from pyspark_persist.pubsub.grpc_client import GrpcPublisher
 
-    return GrpcPublisher(address, consensus_uri)
+    ca = None
+    if tls_ca is not None:
+        with open(tls_ca, "rb") as f:
+            ca = f.read()
+    return GrpcPublisher(
+        address, consensus_uri, tls=tls, tls_ca=ca,
+        token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
+    )
 
 
 def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublisher:
@@ -124,11 +147,27 @@ def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublish
     return GrpcPublisher(AutoDiscovery(directory), consensus_uri)
 
 
-def serve(host: str = "127.0.0.1", port: int = 6879) -> int:
-    """Run the PubSub server in the foreground until interrupted (``persist pubsub serve``)."""
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 6879,
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    token: str | None = None,
+    allow_remote: bool = False,
+) -> int:
+    """Run the PubSub server in the foreground until interrupted (``persist pubsub serve``).
+
+    ``tls_cert``/``tls_key``: PEM file paths; ``token``: required from every client
+    (default ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``.
+    """
     from pyspark_persist.pubsub.server import serve as _serve
 
-    return _serve(host, port)
+    return _serve(
+        host, port, tls_cert=tls_cert, tls_key=tls_key,
+        token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
+        allow_remote=allow_remote,
+    )
 
 
 def open_client(

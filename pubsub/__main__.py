@@ -1,4 +1,5 @@
-"""``python -m pyspark_persist.pubsub serve [--host H] [--port P]``: the PubSub server.
+"""``python -m pyspark_persist.pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K]
+[--token T] [--allow-remote]``: the PubSub server.
 
 The same as ``persist pubsub serve``, for environments without the console script.
 """
@@ -14,13 +15,24 @@ from pyspark_persist.pubsub.server import DEFAULT_HOST, DEFAULT_PORT
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--host`` and ``--port`` of ``pubsub serve``."""
+    """``--host``, ``--port``, TLS, token and ``--allow-remote`` of ``pubsub serve``."""
     parser.add_argument(
         "--host", default=DEFAULT_HOST,
         help=f"address to bind (default {DEFAULT_HOST}: this machine only)",
     )
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})"
+    )
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--token", default=None,
+        help="shared token every client must send (default $PERSIST_PUBSUB_TOKEN); "
+        "prefer the environment variable, a flag shows in the process list",
+    )
+    parser.add_argument(
+        "--allow-remote", action="store_true",
+        help="allow binding a non-loopback address (use TLS and a token)",
     )
 
 
@@ -33,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.required = True
     add_serve_arguments(sub.add_parser("serve", help="serve PubSub until interrupted"))
     ns = parser.parse_args(argv)
-    return serve(ns.host, ns.port)
+    return serve(ns.host, ns.port, tls_cert=ns.tls_cert, tls_key=ns.tls_key, token=ns.token,
+                 allow_remote=ns.allow_remote)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class AutoDiscovery:
             os.close(fd)
             raise
         _served[self.directory] = (server, fd)
-        log.info("pubsub auto: serving %s on %s", self.directory, server.address)
+        log.debug("pubsub auto: serving %s on %s", self.directory, server.address)
         return True
 
 

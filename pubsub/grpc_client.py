@@ -42,7 +42,10 @@ class GrpcPublisher(BasePublisher):
 
     ``address`` is ``"host:port"`` or a callable returning one (or None when
     there is nothing to connect to yet), asked again before every attempt;
-    ``auto`` mode passes its discovery here.
+    ``auto`` mode passes its discovery here. ``tls`` connects with TLS,
+    trusting ``tls_ca`` (PEM bytes; ``None``: the system roots); ``token`` is
+    sent as the ``x-persist-token`` metadata the server checks. Neither is
+    ever logged.
     """
 
     def __init__(
@@ -54,8 +57,15 @@ class GrpcPublisher(BasePublisher):
         max_push_age_s: float = 2.0,
         reconnect_min_s: float = 0.05,
         reconnect_max_s: float = 1.0,
+        tls: bool = False,
+        tls_ca: bytes | None = None,
+        token: str | None = None,
     ) -> None:
         super().__init__(consensus_uri)
+        self._credentials = (
+            grpc.ssl_channel_credentials(root_certificates=tls_ca) if tls or tls_ca else None
+        )
+        self._metadata = (("x-persist-token", token),) if token else None
         self._address: Callable[[], str | None] = (
             (lambda: address) if isinstance(address, str) else address
         )
@@ -178,10 +188,13 @@ class GrpcPublisher(BasePublisher):
                 self._control.append(
                     pb.ProtoPubSubMessage(subscribe=pb.ProtoSubscribe(shard=topic))
                 )
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if self._credentials is None:
+            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:
+            channel = grpc.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS)
         try:
             stub = pb_grpc.ProtoPersistPubSubStub(channel)
-            call = stub.PubSub(self._requests(gen))
+            call = stub.PubSub(self._requests(gen), metadata=self._metadata)
             self._call = call
             if self._closed:
                 call.cancel()

@@ -9,14 +9,22 @@ outgoing queue is full) has its stream ended: it reconnects, resubscribes
 and catches up from Consensus, which is cheaper than an unbounded queue.
 
 Run it with ``persist pubsub serve`` (or :func:`serve`); it binds
-``127.0.0.1:6879`` unless told otherwise. It holds no durable state: killing
-it only makes readers fall back to polling until it is back.
+``127.0.0.1:6879`` unless told otherwise, and refuses a non-loopback
+address unless ``allow_remote`` is set: diffs reveal shard names and part
+keys, so exposing them is a decision. For a remote server, give it a TLS
+certificate and key (``tls_cert``/``tls_key``, PEM) and a shared ``token``
+that every client must send as gRPC metadata ``x-persist-token``; a stream
+without the right token is rejected (UNAUTHENTICATED) and counted in
+``counters["rejected"]``. The token never appears in a log or an error.
+It holds no durable state: killing it only makes readers fall back to polling until it is back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import logging
 import signal
 import threading
@@ -32,6 +40,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 6879
+TOKEN_METADATA = "x-persist-token"
+"""The gRPC metadata key a client sends the shared token under."""
+TOKEN_ENV = "PERSIST_PUBSUB_TOKEN"
+"""Environment variable both ``serve`` and clients read the shared token from."""
 CONNECTION_QUEUE = 4096
 """Messages waiting for one subscriber before its stream is ended as too slow."""
 
@@ -85,6 +97,13 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
     async def PubSub(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProtoPubSubMessage], context: Any
     ) -> AsyncIterator[pb.ProtoPubSubMessage]:
+        if not self._server.authorized(context.invocation_metadata()):
+            self._server.counters["rejected"] += 1
+            log.warning("pubsub server: rejected a stream from %s: missing or wrong token",
+                        context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "persist pubsub: missing or wrong token")
+            return
         conn = _Conn(str(context.peer()))
         self._server.counters["connections"] += 1
         reader = asyncio.ensure_future(self._read(request_iterator, conn))
@@ -151,10 +170,29 @@ class PubSubServer:
         server.stop()
     """
 
-    def __init__(self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    def __init__(
+        self,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        *,
+        tls_cert: bytes | None = None,
+        tls_key: bytes | None = None,
+        token: str | None = None,
+        allow_remote: bool = False,
+    ) -> None:
+        if not allow_remote and not is_loopback(host):
+            raise ValueError(
+                f"refusing to serve persist PubSub on non-loopback address {host!r}: pass "
+                "allow_remote=True (--allow-remote), ideally with TLS and a token"
+            )
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("persist PubSub TLS needs both a certificate and its key")
         self.host = host
         self.port = port
+        self._tls = None if tls_cert is None else (tls_key, tls_cert)
+        self._token = token.encode() if token else None
         self.counters: dict[str, int] = {
+            "rejected": 0,
             "connections": 0,
             "diffs_received": 0,
             "diffs_forwarded": 0,
@@ -166,6 +204,16 @@ class PubSubServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._grace_s = 0.0
+
+    def authorized(self, metadata: Any) -> bool:
+        """Whether a stream's metadata carries the token (always, when none is required)."""
+        if self._token is None:
+            return True
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(got, self._token)
+        return False
 
     @property
     def address(self) -> str:
@@ -216,7 +264,12 @@ class PubSubServer:
         server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_ProtoPersistPubSubServicer_to_server(_Servicer(self), server)
         try:
-            port = server.add_insecure_port(f"{self.host}:{self.port}")
+            address = f"{self.host}:{self.port}"
+            if self._tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                creds = grpc.ssl_server_credentials([self._tls])
+                port = server.add_secure_port(address, creds)
         except RuntimeError as e:
             raise OSError(
                 f"cannot serve persist PubSub on {self.host}:{self.port}: {e} (is the port in "
@@ -234,11 +287,39 @@ class PubSubServer:
         await server.stop(self._grace_s)
 
 
-def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> int:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    *,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    token: str | None = None,
+    allow_remote: bool = False,
+) -> int:
     """Run a PubSub server in the foreground until SIGINT/SIGTERM (the ``persist pubsub serve``
-    command); returns the exit status."""
-    server = PubSubServer(host, port).start()
-    print(f"persist pubsub: serving on {server.address} (Ctrl-C to stop)", flush=True)
+    command); ``tls_cert``/``tls_key`` are PEM file paths. Returns the exit status."""
+    cert = key = None
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            raise ValueError("persist PubSub TLS needs both --tls-cert and --tls-key")
+        with open(tls_cert, "rb") as f:
+            cert = f.read()
+        with open(tls_key, "rb") as f:
+            key = f.read()
+    server = PubSubServer(host, port, tls_cert=cert, tls_key=key, token=token,
+                          allow_remote=allow_remote).start()
+    extras = (" with TLS" if cert else "") + (" requiring a token" if token else "")
+    print(f"persist pubsub: serving on {server.address}{extras} (Ctrl-C to stop)", flush=True)
     done = threading.Event()
 
     def _stop(*_: object) -> None:

@@ -33,6 +33,7 @@ from pyspark_persist.state.parts import (
 )
 from pyspark_persist.state.read import ReadHandle
 from pyspark_persist.state.state import ShardState, Time
+from pyspark_persist.state.tracing import traced
 from pyspark_persist.state.write import WriteHandle
 
 HOME_ENV = "PERSIST_HOME"
@@ -140,6 +141,7 @@ class PersistClient:
                 self.publisher.subscribe(shard_id, m.shared, self.consensus.uri)
             return m
 
+    @traced("PersistClient.open_shard", lambda _self, name, *_a, **_k: name)
     def open_shard(
         self, name: str, schema: pa.Schema | None = None, *, create: bool = True
     ) -> Shard:
@@ -168,6 +170,7 @@ class PersistClient:
             raise SchemaMismatch(schema_mismatch_message(name, shard.schema, user_schema))
         return shard
 
+    @traced("PersistClient.create_shard", lambda _self, name, *_a, **_k: name)
     def create_shard(self, name: str, schema: pa.Schema) -> Shard:
         """Create a new shard; ShardExists if the name is taken."""
         machine = self.machine(name)
@@ -208,6 +211,7 @@ class PersistClient:
             shard_ids = list(self._machines)
         for shard_id in shard_ids:
             self.publisher.unsubscribe(shard_id)
+        self.maintenance.close()
         self.blob.close()
         self.consensus.close()
 
@@ -231,6 +235,7 @@ class Shard:
         """The shard's name (its id in Blob and Consensus)."""
         return self.machine.shard_id
 
+    @traced("Shard.state", "name")
     def state(self) -> ShardState:
         """The shard's newest state, read from Consensus now."""
         return self.machine.fetch_latest()
@@ -249,18 +254,22 @@ class Shard:
         """A writer; pass a stable ``writer_id`` to make commits idempotent across restarts."""
         return WriteHandle(self.machine, self.schema, writer_id)
 
+    @traced("Shard.reader", "name")
     def reader(self, reader_id: str | None = None) -> ReadHandle:
         """A leased reader for snapshots, listens and subscribes (heartbeated in the background)."""
         return ReadHandle(self.machine, self.schema, self.client.maintenance, reader_id)
 
+    @traced("Shard.critical_reader", "name")
     def critical_reader(self, reader_id: str, opaque: int = 0) -> CriticalReader:
         """A since hold that never expires, moved only with its fencing token."""
         return CriticalReader(self.machine, reader_id, opaque)
 
+    @traced("Shard.compact", "name")
     def compact(self) -> list[CompactionReport]:
         """Run compaction now until the policy asks for nothing more."""
         return self.client.maintenance.compact_now(self.machine)
 
+    @traced("Shard.gc", "name")
     def gc(self) -> GcReport:
         """Run GC now: expire stale readers, delete garbage, truncate Consensus, sweep orphans."""
         return self.client.maintenance.gc_now(self.machine)
@@ -283,6 +292,7 @@ class CriticalReader:
         self.since = state.since
         self.opaque = state.opaque
 
+    @traced("CriticalReader.compare_and_downgrade_since", "_machine.shard_id")
     def compare_and_downgrade_since(
         self, expected_opaque: int, new_opaque: int, new_since: Time
     ) -> CriticalSince:

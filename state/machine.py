@@ -116,6 +116,7 @@ class Machine:
         self.publisher = publisher
         self.clock_ms = clock_ms
         self.on_commit = on_commit
+        self._cas_lock = threading.RLock()  # reentrant: a commit may write a rollup via run()
 
     def state(self) -> ShardState:
         """The newest state this process knows of, loading it on first use."""
@@ -141,7 +142,14 @@ class Machine:
 
         A non-idempotent command whose compare-and-set outcome is unknown
         re-raises :class:`Indeterminate` rather than risk applying twice.
+        Threads of one process take turns (a lock per machine): racing each
+        other through Consensus would only turn into mismatches and refetches,
+        while other processes still race through compare-and-set as usual.
         """
+        with self._cas_lock:
+            return self._run(cmd, idempotent)
+
+    def _run(self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool) -> R:
         deadline = time.monotonic() + self.config.retry_timeout_s
         state = self.state()
         attempt = 0

@@ -28,6 +28,7 @@ and on demand (:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import queue
@@ -36,7 +37,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -57,6 +58,7 @@ from pyspark_persist.state.parts import (
     with_times,
 )
 from pyspark_persist.state.state import EMPTY_STATE, Batch, ShardState
+from pyspark_persist.state.tracing import traced
 from pyspark_persist.state.versions import rollup_key, write_rollup
 
 if TYPE_CHECKING:
@@ -113,6 +115,7 @@ class CompactionReport:
     applied: bool
 
 
+@traced("compact")
 def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     """Merge ``batches`` (adjacent, in time order) and swap the merge into state if still valid."""
     from pyspark_persist.state.read import iter_parts
@@ -166,6 +169,7 @@ class GcReport:
     readers_expired: tuple[str, ...]
 
 
+@traced("gc")
 def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) -> GcReport:
     """Expire stale readers, delete unreferenced parts and rollups, truncate Consensus."""
     now = machine.clock_ms()
@@ -254,6 +258,19 @@ def _sweep_orphans(
     return deleted
 
 
+_STOP = object()
+"""Queued to wake the background thread so it notices it should stop."""
+
+_LIVE: weakref.WeakSet[Maintenance] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, stop background work before the thread pools it uses shut down."""
+    for m in list(_LIVE):
+        m.close(timeout_s=2.0)
+
+
 class Maintenance:
     """A client's background worker: compaction and GC after commits, reader heartbeats.
 
@@ -264,7 +281,9 @@ class Maintenance:
 
     def __init__(self, config: PersistConfig) -> None:
         self._config = config
-        self._queue: queue.Queue[tuple[str, Machine]] = queue.Queue()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._stop = threading.Event()
+        _LIVE.add(self)
         self._queued: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._readers: weakref.WeakSet[ReadHandle] = weakref.WeakSet()
@@ -324,22 +343,35 @@ class Maintenance:
 
     def _ensure_thread(self) -> None:
         with self._lock:
+            if self._stop.is_set():
+                return
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._loop, name="persist-maintenance", daemon=True
                 )
                 self._thread.start()
 
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the background thread after the task at hand; queued work is dropped."""
+        self._stop.set()
+        self._queue.put(_STOP)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
     def _loop(self) -> None:
         next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
-        while True:
+        while not self._stop.is_set():
             timeout = max(0.0, next_heartbeat - time.monotonic())
             try:
-                kind, machine = self._queue.get(timeout=timeout)
+                item = self._queue.get(timeout=timeout)
             except queue.Empty:
                 self._heartbeat_all()
                 next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
                 continue
+            if item is _STOP:
+                break
+            kind, machine = item
             with self._lock:
                 self._queued.discard((kind, machine.shard_id))
                 self._busy += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -129,8 +130,8 @@ def conform_updates(
         else:
             raise SchemaMismatch(schema_mismatch_message(shard, schema, row_schema))
     n = updates.num_rows
-    time = _checked_column(updates, TIME, TIME_TYPE, pa.array([0] * n, TIME_TYPE) if n else None)
-    diff = _checked_column(updates, DIFF, DIFF_TYPE, pa.array([1] * n, DIFF_TYPE) if n else None)
+    time = _checked_column(updates, TIME, TIME_TYPE, pa.repeat(pa.scalar(0, TIME_TYPE), n))
+    diff = _checked_column(updates, DIFF, DIFF_TYPE, pa.repeat(pa.scalar(1, DIFF_TYPE), n))
     columns = [updates.column(name) for name in schema.names]
     for f, col in zip(schema, columns, strict=True):
         if not f.nullable and col.null_count:
@@ -168,14 +169,21 @@ def time_bounds(table: pa.Table) -> tuple[Time, Time]:
     return int(mm["min"].as_py()), int(mm["max"].as_py())
 
 
-def part_ref(table: pa.Table, key: str | None, inline: bytes | None, size: int) -> PartRef:
-    """Describe a non-empty part: where it lives, its size, and its time and diff ranges."""
+def part_ref(
+    table: pa.Table, key: str | None, inline: bytes | None, size: int, crc: int | None = None
+) -> PartRef:
+    """Describe a non-empty part: where it lives, its size, and its time and diff ranges.
+
+    Column statistics (for skipping parts on reads) are kept for Blob parts
+    only: an inline part is tiny and read straight from state anyway.
+    """
     tmin, tmax = time_bounds(table)
     dm = pc.min_max(table.column(DIFF))
     return PartRef(
         key, inline, size, table.num_rows, tmin, tmax,
         dmin=int(dm["min"].as_py()), dmax=int(dm["max"].as_py()),
-        stats=column_stats(table),
+        stats=column_stats(table) if key is not None else None,
+        crc=crc,
     )
 
 
@@ -226,11 +234,13 @@ def part_key_created_ms(key: str) -> int | None:
     return int(stamp) if sep and stamp.isdigit() else None
 
 
-def encode_parquet(table: pa.Table) -> bytes:
-    """Encode a part table as Parquet bytes (column statistics on, for pushed filters)."""
+def encode_parquet(table: pa.Table) -> memoryview:
+    """Encode a part table as Parquet (a view of Arrow's buffer: no copy into ``bytes``)."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="snappy", write_statistics=True)
-    return bytes(sink.getvalue().to_pybytes())
+    pq.write_table(
+        table, sink, compression="snappy", write_statistics=True, write_page_checksum=True
+    )
+    return memoryview(sink.getvalue())
 
 
 def encode_inline(table: pa.Table) -> bytes:
@@ -303,6 +313,11 @@ def fetch_part_bytes(blob: Blob, part: PartRef, shard_id: str) -> bytes:
             f"part {part.key!r} of shard {shard_id!r} is missing from blob {blob.uri}: it was "
             "deleted by GC (read with a lease, or from a newer as_of) or the blob store is wrong"
         )
+    if part.crc is not None and zlib.crc32(data) != part.crc:
+        raise CorruptData(
+            f"part {part.key!r} of shard {shard_id!r} in blob {blob.uri} does not match its "
+            "checksum: the object is corrupt (restore it from a backup of the blob store)"
+        )
     return data
 
 
@@ -311,7 +326,7 @@ def decode_part(part: PartRef, data: bytes, shard_id: str) -> pa.Table:
     try:
         if part.inline is not None:
             return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-        return pq.read_table(pa.BufferReader(data))
+        return pq.read_table(pa.BufferReader(data), page_checksum_verification=True)
     except (pa.ArrowInvalid, OSError) as e:
         raise CorruptData(
             f"part {part.key or '(inline)'} of shard {shard_id!r} cannot be decoded: {e}"
@@ -366,7 +381,7 @@ def iter_leased_part(
         yield shape_updates(decode_part(leased.part, data, leased.shard_id), leased)
         return
     try:
-        pf = pq.ParquetFile(pa.BufferReader(data))
+        pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
         for rb in pf.iter_batches(batch_size=batch_rows):
             yield shape_updates(rb, leased)
     except (pa.ArrowInvalid, OSError) as e:

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from pyspark_persist.state import commands
 from pyspark_persist.state.blob import Blob
-from pyspark_persist.state.errors import InvalidFrontier, LeaseExpired
+from pyspark_persist.state.errors import CorruptData, InvalidFrontier, LeaseExpired
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import (
     LeasedPart,
@@ -42,6 +42,7 @@ from pyspark_persist.state.parts import (
     shape_updates,
 )
 from pyspark_persist.state.state import Batch, PartRef, ShardState, Time
+from pyspark_persist.state.tracing import traced
 
 if TYPE_CHECKING:
     from pyspark_persist.state.maintenance import Maintenance
@@ -121,9 +122,14 @@ def iter_parts(
             if leased.part.inline is not None:
                 yield shape_updates(decode_part(leased.part, data, leased.shard_id), leased)
                 continue
-            pf = pq.ParquetFile(pa.BufferReader(data))
-            for rb in pf.iter_batches(batch_size=batch_rows):
-                yield shape_updates(rb, leased)
+            try:
+                pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+                for rb in pf.iter_batches(batch_size=batch_rows):
+                    yield shape_updates(rb, leased)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise CorruptData(
+                    f"part {leased.part.key} of shard {leased.shard_id!r} cannot be decoded: {e}"
+                ) from e
             del data, pf
 
 
@@ -211,10 +217,12 @@ class ReadHandle:
                 "heartbeating for longer than reader_lease_s) or was closed: open a new reader"
             )
 
+    @traced("ReadHandle.heartbeat")
     def heartbeat(self) -> None:
         """Extend the lease and advance the SeqNo hold to the oldest lease still held."""
         self._update(None)
 
+    @traced("ReadHandle.downgrade_since")
     def downgrade_since(self, since: Time) -> None:
         """Promise not to read times before ``since`` any more, so compaction may merge them."""
         self._update(since)
@@ -237,6 +245,7 @@ class ReadHandle:
         else:
             self._since = result.since
 
+    @traced("ReadHandle.close")
     def close(self) -> None:
         """Expire this reader now, releasing its since and SeqNo holds."""
         if self._expired:
@@ -252,6 +261,7 @@ class ReadHandle:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @traced("ReadHandle.latest_as_of")
     def latest_as_of(self) -> Time:
         """The newest time a snapshot can be read at now (``upper - 1``); fetches state."""
         state = self._machine.fetch_latest()
@@ -261,6 +271,7 @@ class ReadHandle:
             )
         return state.upper - 1
 
+    @traced("ReadHandle.snapshot")
     def snapshot(self, as_of: Time | None = None) -> Snapshot:
         """The parts that reconstruct the shard at ``as_of`` (default: the latest complete time).
 
@@ -306,6 +317,7 @@ class ReadHandle:
         finally:
             self.release(snap.seqno)
 
+    @traced("ReadHandle.snapshot_table")
     def snapshot_table(self, as_of: Time | None = None) -> pa.Table:
         """The shard at ``as_of`` as one consolidated table (row columns, ``_time``, ``_diff``)."""
         snap = self.snapshot(as_of)
@@ -315,6 +327,7 @@ class ReadHandle:
             self.release(snap.seqno)
         return consolidate(table, self.schema.names)
 
+    @traced("ReadHandle.listen")
     def listen(self, as_of: Time) -> Listen:
         """Follow every update with a time after ``as_of`` (``as_of >= since``)."""
         state = self._machine.state()
@@ -340,6 +353,7 @@ class ReadHandle:
             self.release(snap.seqno)
         yield from listen
 
+    @traced("ReadHandle.fetch")
     def fetch(self, parts: Sequence[LeasedPart]) -> pa.Table:
         """Fetch leased parts (from a snapshot or listen event) into one table, unconsolidated."""
         tables = list(iter_parts(self._machine.blob, parts))
@@ -398,6 +412,7 @@ class Listen:
             if event is not None:
                 yield event
 
+    @traced("Listen.next", "_machine.shard_id")
     def next(self, timeout_s: float | None = 1.0) -> ListenEvent | None:
         """The next event, waiting at most ``timeout_s`` (``None``: forever); None on timeout."""
         self.close()

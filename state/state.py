@@ -62,6 +62,8 @@ class PartRef:
     dmax: int | None = None
     stats: Mapping[str, tuple[Any, Any]] | None = None
     """Per-column (min, max) of numeric and short string columns, for skipping parts."""
+    crc: int | None = None
+    """CRC-32 of the stored bytes: a fetch that does not match is corrupt, never read."""
 
     @property
     def effective_dmin(self) -> int | None:
@@ -107,6 +109,8 @@ class PartRef:
             out["dmax"] = self.dmax
         if self.stats:
             out["stats"] = {k: list(v) for k, v in self.stats.items()}
+        if self.crc is not None:
+            out["crc"] = self.crc
         return out
 
     @classmethod
@@ -128,6 +132,7 @@ class PartRef:
                 dmin=None if d.get("dmin") is None else int(d["dmin"]),
                 dmax=None if d.get("dmax") is None else int(d["dmax"]),
                 stats={k: (v[0], v[1]) for k, v in d["stats"].items()} if "stats" in d else None,
+                crc=None if d.get("crc") is None else int(d["crc"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"malformed part reference {dict(d)!r}: {e}") from e

@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from pyspark_persist.state.parts import (
     time_bounds,
 )
 from pyspark_persist.state.state import PartRef, Time
+from pyspark_persist.state.tracing import traced
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,13 @@ class BatchBuilder:
 
         Blocks while ``max_outstanding_parts`` uploads are in flight.
         """
+        table, has_time = conform_updates(updates, self._schema, self._shard_id)
+        self.add_conformed(table, has_time)
+
+    def add_conformed(self, table: pa.Table, has_time: bool) -> None:
+        """``add`` for updates already passed through ``conform_updates`` (no second check)."""
         if self._finished:
             raise InvalidUsage("this batch builder was already finished or aborted")
-        table, has_time = conform_updates(updates, self._schema, self._shard_id)
         if table.num_rows == 0:
             return
         if self._has_time is None:
@@ -147,6 +153,7 @@ class BatchBuilder:
             if self._buffered_bytes >= target:
                 self._flush()
 
+    @traced("BatchBuilder.finish", "_shard_id")
     def finish(self) -> StagedBatch:
         """Upload what is buffered, wait for every upload, and return the staged batch."""
         if self._finished:
@@ -188,7 +195,9 @@ class BatchBuilder:
         self._shutdown()
 
     def _take_buffer(self) -> pa.Table:
-        table = pa.concat_tables(self._buffer).combine_chunks()
+        # No combine_chunks: Parquet encodes chunked columns directly, and a merged
+        # copy would hold a second B bytes while the slices are still referenced.
+        table = pa.concat_tables(self._buffer)
         self._buffer.clear()
         self._buffered_bytes = 0
         return table
@@ -214,7 +223,7 @@ class BatchBuilder:
         self._blob.set(key, data)
         with self._timing_lock:
             self.upload_s += time.perf_counter() - started
-        return part_ref(table, key, None, len(data))
+        return part_ref(table, key, None, len(data), zlib.crc32(data))
 
     def _shutdown(self) -> None:
         if self._pool is not None:
@@ -255,6 +264,7 @@ class WriteHandle:
         """The shard's upper as this process last saw it (may be stale; a commit says the truth)."""
         return self._machine.state().upper
 
+    @traced("WriteHandle.fetch_upper")
     def fetch_upper(self) -> Time:
         """The shard's upper, read from Consensus now."""
         return self._machine.fetch_latest().upper
@@ -271,6 +281,7 @@ class WriteHandle:
             inline_budget=cfg.inline_total_max_bytes - self._machine.state().inline_bytes,
         )
 
+    @traced("WriteHandle.compare_and_append")
     def compare_and_append(
         self,
         updates: pa.Table | pa.RecordBatch,
@@ -298,7 +309,7 @@ class WriteHandle:
                 )
         builder = self.builder()
         try:
-            builder.add(updates)
+            builder.add_conformed(table, has_time)
             staged = builder.finish()
         except BaseException:
             builder.abort()
@@ -308,6 +319,7 @@ class WriteHandle:
             [staged], expected_upper, new_upper, token=token, ts_rewrite=ts_rewrite
         )
 
+    @traced("WriteHandle.compare_and_append_batches")
     def compare_and_append_batches(
         self,
         batches: Sequence[StagedBatch],
@@ -368,6 +380,7 @@ class WriteHandle:
             delete_staged(self._machine.blob, parts)
         return result
 
+    @traced("WriteHandle.append")
     def append(self, updates: pa.Table | pa.RecordBatch) -> Committed | AlreadyCommitted:
         """Append updates at one new time (the later of the upper and the wall clock, ms).
 
@@ -383,7 +396,7 @@ class WriteHandle:
             )
         builder = self.builder()
         try:
-            builder.add(updates)
+            builder.add_conformed(table, has_time)
             staged = builder.finish()
         except BaseException:
             builder.abort()

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pyspark_persist.state.errors import InvalidUri, InvalidUsage
+from pyspark_persist.state.tracing import BLOB_TRACED, trace_store_class
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
@@ -37,6 +38,10 @@ def validate_key(key: str) -> str:
     return key
 
 
+BlobValue = bytes | bytearray | memoryview
+"""What ``Blob.set`` takes: any contiguous bytes, so an encoder's buffer needs no extra copy."""
+
+
 @dataclass(frozen=True)
 class BlobMeta:
     """A key listed by :meth:`Blob.list_keys` and its size in bytes."""
@@ -48,6 +53,11 @@ class BlobMeta:
 class Blob(ABC):
     """A durable store of write-once bytes under string keys. See the module doc."""
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # Every backend's get/set/delete opens a span (pyspark_persist.state.tracing).
+        trace_store_class(cls, "Blob", BLOB_TRACED)
+
     @property
     @abstractmethod
     def uri(self) -> str:
@@ -58,7 +68,7 @@ class Blob(ABC):
         """Return the bytes stored under ``key``, or ``None`` if there is no such key."""
 
     @abstractmethod
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: BlobValue) -> None:
         """Store ``value`` under ``key`` atomically and durably (overwrites are allowed)."""
 
     @abstractmethod

@@ -39,7 +39,7 @@ import stat
 import uuid
 from collections.abc import Iterator
 
-from pyspark_persist.state.blob import Blob, BlobMeta, validate_key
+from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, validate_key
 from pyspark_persist.state.errors import InvalidUri, InvalidUsage, StoreUnavailable
 
 _TMP_PREFIX = ".tmp~"
@@ -104,7 +104,7 @@ class FileBlob(Blob):
         except OSError as e:
             raise StoreUnavailable(f"cannot read blob {path}: {e}") from e
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: BlobValue) -> None:
         """Write a temp file, fsync it, rename it onto the key (see the module doc)."""
         path = self._path(key)
         directory = os.path.dirname(path)

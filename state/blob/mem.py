@@ -15,7 +15,7 @@ import re
 import threading
 from collections.abc import Iterator
 
-from pyspark_persist.state.blob import Blob, BlobMeta, validate_key
+from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, validate_key
 from pyspark_persist.state.errors import InvalidUri
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]*$")
@@ -67,7 +67,7 @@ class MemBlob(Blob):
         with self._store.lock:
             return self._store.data.get(key)
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: BlobValue) -> None:
         """Store a private ``bytes`` copy so later changes to a caller's buffer cannot leak in."""
         validate_key(key)
         frozen = bytes(value)

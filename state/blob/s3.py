@@ -43,7 +43,7 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import Loader, create_loader
 
-from pyspark_persist.state.blob import Blob, BlobMeta, validate_key
+from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, validate_key
 from pyspark_persist.state.errors import (
     Indeterminate,
     InvalidUri,
@@ -232,11 +232,12 @@ class S3Blob(Blob):
             raise self._error("get", key, e) from e
         return body
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: BlobValue) -> None:
         """One ``put_object``: S3 makes it atomic (readers see the old or new object whole)."""
         name = self._key_prefix + validate_key(key)
         try:
-            self._client().put_object(Bucket=self._bucket, Key=name, Body=value)
+            body = value if isinstance(value, bytes) else bytes(value)
+            self._client().put_object(Bucket=self._bucket, Key=name, Body=body)
         except (ClientError, BotoCoreError) as e:
             raise self._error("set", key, e, may_have_happened=True) from e
 

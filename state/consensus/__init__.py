@@ -31,6 +31,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from pyspark_persist.state.errors import InvalidUri
+from pyspark_persist.state.tracing import CONSENSUS_TRACED, trace_store_class
 
 SeqNo = int
 """A shard state's version: starts at 1 and increases by one with every change."""
@@ -61,6 +62,11 @@ CaSResult = CaSCommitted | CaSMismatch
 
 class Consensus(ABC):
     """A linearizable, versioned log per key. See the module doc for the contract."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # Every backend's compare_and_set/truncate opens a span (state.tracing).
+        trace_store_class(cls, "Consensus", CONSENSUS_TRACED)
 
     @property
     @abstractmethod

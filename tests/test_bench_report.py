@@ -1,0 +1,90 @@
+"""Smoke test of ``persist bench all`` (:mod:`pyspark_persist.benchmarks.report`).
+
+Runs the whole report at ``--quick`` sizes without Spark and checks its shape:
+every section header, a table of positive figures in each section that ran,
+Spark reported as not run, a real PNG. No timed assertions: targets are for
+people reading a full run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deltalake")
+pytest.importorskip("matplotlib")
+
+from pyspark_persist.benchmarks import report  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURE = re.compile(r"^(-?[\d,]+(?:\.\d+)?(?:e[-+]?\d+)?|inf) ?(.*)$")
+
+
+def _sections(md: str) -> dict[str, str]:
+    """Section title -> its Markdown body."""
+    parts = re.split(r"^## (.+)$", md, flags=re.MULTILINE)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def _table(body: str) -> list[list[str]]:
+    """The cells of every data row of the first table in ``body``."""
+    rows = [line for line in body.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in rows[2:]]
+
+
+def _figure(cell: str) -> tuple[float, str]:
+    m = FIGURE.match(cell)
+    assert m, f"not a figure: {cell!r}"
+    return float(m.group(1).replace(",", "")), m.group(2)
+
+
+@pytest.mark.slow
+def test_bench_all_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole report runs in one go and writes report.md, report.png and report.json."""
+    out = tmp_path / "report"
+    status = report.main(
+        ["--quick", "--skip-spark", "--out", str(out), "--workdir", str(tmp_path)]
+    )
+    assert status == 0, capsys.readouterr().err
+
+    md = (out / "report.md").read_text()
+    assert md.startswith("# persist benchmark report")
+    assert re.search(r"\d+ CPUs .*RAM.*Python 3\.\d+.*pyarrow .*pyspark .*deltalake ", md)
+
+    sections = _sections(md)
+    assert list(sections) == list(report.TITLES.values())
+    spark = sections[report.TITLES["spark"]]
+    assert "**not run**" in spark and "--skip-spark" in spark
+
+    for key in ("core", "delta", "pubsub", "maintenance"):
+        body = sections[report.TITLES[key]]
+        rows = _table(body)
+        assert rows, f"section {key} has no table:\n{body}"
+        for cells in rows:
+            assert len(cells) == 7, cells
+            value, unit = _figure(cells[1])
+            assert math.isfinite(value) and value >= 0, cells
+            if unit != "reads/s":  # a push-woken idle listener may well make no reads
+                assert value > 0, cells
+            if cells[2] != "-":
+                peer, _ = _figure(cells[3])
+                assert peer >= 0, cells
+    core_rows = {c[0].split(" (")[0]: c for c in _table(sections[report.TITLES["core"]])}
+    assert "small write p50, file/sqlite" in core_rows
+    assert any(k.startswith("write goodput") for k in core_rows)
+    delta_rows = {c[0]: c for c in _table(sections[report.TITLES["delta"]])}
+    assert delta_rows["one-row append p50"][2] == "Delta one-row append"
+    assert any(c[2] == "Delta scan" for c in delta_rows.values())
+
+    png = (out / "report.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+    data = json.loads((out / "report.json").read_text())
+    assert [s["key"] for s in data["sections"]] == list(report.TITLES)
+
+    stdout = capsys.readouterr().out
+    assert "| metric | persist | peer |" in stdout
