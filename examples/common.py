@@ -44,12 +44,15 @@ def stop(query: StreamingQuery) -> None:
     Stopping cancels the running micro-batch, whose staged parts are aborted
     (and its input replayed on restart): expected, so not worth an ERROR log.
     """
-    sc = query.sparkSession.sparkContext
-    sc.setLogLevel("FATAL")
+    spark = SparkSession.getActiveSession()
+    if spark is None:
+        query.stop()
+        return
+    spark.sparkContext.setLogLevel("FATAL")
     try:
         query.stop()
     finally:
-        sc.setLogLevel("ERROR")
+        spark.sparkContext.setLogLevel("ERROR")
 
 
 def follow(query: StreamingQuery, seconds: float, label: str) -> None:
