@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,16 +321,15 @@ def fetch_part_bytes(blob: Blob, part: PartRef, shard_id: str) -> bytes:
     return data
 
 
-def decode_part(part: PartRef, data: bytes, shard_id: str) -> pa.Table:
-    """Decode a part's bytes into its Arrow table (no bounds or rewrite applied)."""
+def decode_inline(data: bytes, shard_id: str) -> pa.Table:
+    """Decode an inline part (Arrow IPC from state) into its table, as stored.
+
+    Parquet parts are decoded row group by row group by ``read.iter_parts``.
+    """
     try:
-        if part.inline is not None:
-            return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-        return pq.read_table(pa.BufferReader(data), page_checksum_verification=True)
+        return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowInvalid, OSError) as e:
-        raise CorruptData(
-            f"part {part.key or '(inline)'} of shard {shard_id!r} cannot be decoded: {e}"
-        ) from e
+        raise CorruptData(f"an inline part of shard {shard_id!r} cannot be decoded: {e}") from e
 
 
 def with_times(table: pa.Table, times: pa.Array | pa.ChunkedArray) -> pa.Table:
@@ -360,34 +359,6 @@ def shape_updates(table: pa.Table | pa.RecordBatch, leased: LeasedPart) -> pa.Ta
     if leased.as_of is not None:
         table = with_times(table, pa.repeat(pa.scalar(leased.as_of, TIME_TYPE), table.num_rows))
     return table
-
-
-def read_leased_part(blob: Blob, leased: LeasedPart) -> pa.Table:
-    """Fetch, decode and shape one leased part in full."""
-    data = fetch_part_bytes(blob, leased.part, leased.shard_id)
-    return shape_updates(decode_part(leased.part, data, leased.shard_id), leased)
-
-
-def iter_leased_part(
-    blob: Blob, leased: LeasedPart, batch_rows: int = 65536
-) -> Iterator[pa.Table]:
-    """Fetch one leased part and yield it in shaped slices of at most ``batch_rows`` rows.
-
-    Decoding goes row group by row group, so a reader holds the part's bytes
-    plus one slice, not the whole decoded part.
-    """
-    data = fetch_part_bytes(blob, leased.part, leased.shard_id)
-    if leased.part.inline is not None:
-        yield shape_updates(decode_part(leased.part, data, leased.shard_id), leased)
-        return
-    try:
-        pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
-        for rb in pf.iter_batches(batch_size=batch_rows):
-            yield shape_updates(rb, leased)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise CorruptData(
-            f"part {leased.part.key} of shard {leased.shard_id!r} cannot be decoded: {e}"
-        ) from e
 
 
 def consolidate(table: pa.Table, row_columns: list[str]) -> pa.Table:

@@ -37,7 +37,7 @@ from pyspark_persist.state.parts import (
     LeasedPart,
     consolidate,
     data_schema,
-    decode_part,
+    decode_inline,
     fetch_part_bytes,
     shape_updates,
 )
@@ -120,7 +120,7 @@ def iter_parts(
                 nxt = parts[i + 1]
                 fut = pool.submit(fetch_part_bytes, blob, nxt.part, nxt.shard_id)
             if leased.part.inline is not None:
-                yield shape_updates(decode_part(leased.part, data, leased.shard_id), leased)
+                yield shape_updates(decode_inline(data, leased.shard_id), leased)
                 continue
             try:
                 pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)

@@ -269,6 +269,16 @@ class WriteHandle:
         """The shard's upper, read from Consensus now."""
         return self._machine.fetch_latest().upper
 
+    def _stage(self, table: pa.Table, has_time: bool) -> StagedBatch:
+        """Stage conformed updates in one batch; delete what was uploaded if that fails."""
+        builder = self.builder()
+        try:
+            builder.add_conformed(table, has_time)
+            return builder.finish()
+        except BaseException:
+            builder.abort()
+            raise
+
     def builder(self) -> BatchBuilder:
         """A builder to stage parts of this shard (possibly from another thread).
 
@@ -307,13 +317,7 @@ class WriteHandle:
                     f"batch [{expected_upper}, {new_upper}): give every update a _time in "
                     "that range"
                 )
-        builder = self.builder()
-        try:
-            builder.add_conformed(table, has_time)
-            staged = builder.finish()
-        except BaseException:
-            builder.abort()
-            raise
+        staged = self._stage(table, has_time)
         ts_rewrite = None if staged.has_time else expected_upper
         return self.compare_and_append_batches(
             [staged], expected_upper, new_upper, token=token, ts_rewrite=ts_rewrite
@@ -394,13 +398,7 @@ class WriteHandle:
                 "append() assigns the time itself: drop the _time column, or use "
                 "compare_and_append() to choose times"
             )
-        builder = self.builder()
-        try:
-            builder.add_conformed(table, has_time)
-            staged = builder.finish()
-        except BaseException:
-            builder.abort()
-            raise
+        staged = self._stage(table, has_time)
         token = self._next_token
         upper = self.upper
         while True:
