@@ -60,6 +60,7 @@ import bisect
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import os
@@ -84,7 +85,7 @@ from pyspark_persist.state import (
     PersistConfig,
     UpperMismatch,
 )
-from pyspark_persist.state.blob import Blob, open_blob
+from pyspark_persist.state.blob import Blob, BlobValue, open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import (
     CaSResult,
@@ -177,7 +178,7 @@ class LossyBlob(UnreliableBlob):
         self._n = 0
         self._lock = threading.Lock()
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: BlobValue) -> None:
         """Drop every third part write (silently), pass everything else on."""
         if "/part/" in key:
             with self._lock:
@@ -840,9 +841,9 @@ def _run(
     rng_seeds = {name: rng.randrange(1 << 31) for name in
                  [*(f"w{i}" for i in range(n_writers)), *(f"r{i}" for i in range(n_readers)),
                   *(f"p{i}" for i in range(n_processes)), "listen", "maint"]}
-    threads = [threading.Thread(target=guard(f"writer-{i}", lambda i=i: writer_thread(i)),
+    threads = [threading.Thread(target=guard(f"writer-{i}", functools.partial(writer_thread, i)),
                                 name=f"check-writer-{i}") for i in range(n_writers)]
-    threads += [threading.Thread(target=guard(f"reader-{i}", lambda i=i: reader_thread(i)),
+    threads += [threading.Thread(target=guard(f"reader-{i}", functools.partial(reader_thread, i)),
                                  name=f"check-reader-{i}") for i in range(n_readers)]
     threads.append(threading.Thread(target=guard("maintenance", maintenance_thread)))
     listener = threading.Thread(target=guard("listen", listen_thread), name="check-listen")
@@ -911,9 +912,9 @@ def _run(
         except CorruptData as e:
             rec.violation(f"final state breaks an invariant: {e}")
         for b in state.batches.values():
-            for p in b.parts:
-                if p.key is not None and check.blob.get(p.key) is None:
-                    rec.violation(f"final state references part {p.key}, missing from Blob")
+            for part in b.parts:
+                if part.key is not None and check.blob.get(part.key) is None:
+                    rec.violation(f"final state references part {part.key}, missing from Blob")
         try:
             final = final_reader.snapshot_table(state.upper - 1)
             final_keys = snapshot_keys(final, "final", state.upper - 1, rec)
@@ -943,12 +944,16 @@ def _run(
             rec.violation(f"write {w.key} failed determinately yet appears ({w})")
         elif not w.acked and present:
             rec.op("unacked_writes_that_landed")
-        t = times.get(w.key)
-        if t is not None:
-            if t not in w.candidates:
-                rec.violation(f"write {w.key} landed at time {t}, never attempted there ({w})")
-            elif w.landed_at is not None and t != w.landed_at:
-                rec.violation(f"write {w.key} committed at {w.landed_at} but is at time {t}")
+        landed = times.get(w.key)
+        if landed is not None:
+            if landed not in w.candidates:
+                rec.violation(
+                    f"write {w.key} landed at time {landed}, never attempted there ({w})"
+                )
+            elif w.landed_at is not None and landed != w.landed_at:
+                rec.violation(
+                    f"write {w.key} committed at {w.landed_at} but is at time {landed}"
+                )
     for key in sorted(final_keys - seen_keys)[:MAX_DETAILS]:
         rec.violation(f"write {key} appears but no writer attempted it")
     if errors:

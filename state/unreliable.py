@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pyspark_persist.state.blob import Blob, BlobMeta
+from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue
 from pyspark_persist.state.consensus import CaSResult, Consensus, SeqNo, VersionedData
 from pyspark_persist.state.errors import Indeterminate, InvalidUsage, StoreUnavailable
 
@@ -203,7 +203,7 @@ class UnreliableBlob(_Unreliable, Blob):
         """The inner ``get``, possibly failing first."""
         return self._injector.call("blob", "get", key, lambda: self.inner.get(key))
 
-    def set(self, key: str, value: bytes) -> None:
+    def set(self, key: str, value: BlobValue) -> None:
         """The inner ``set``, possibly failing first or losing its reply."""
         self._injector.call("blob", "set", key, lambda: self.inner.set(key, value))
 

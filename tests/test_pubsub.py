@@ -251,7 +251,9 @@ def test_server_killed_writes_go_on_readers_poll_then_push_resumes(
         for i in range(4, 9):
             t0 = time.monotonic()
             w.append(row(i))
-            assert time.monotonic() - t0 < 2.0, "a write waited for the dead server"
+            # A write that waited for the dead server would sit out the client's reconnect
+            # backoff and gRPC deadlines; the bound is loose so a loaded CI box cannot trip it.
+            assert time.monotonic() - t0 < 10.0, "a write waited for the dead server"
         assert collect(listen, set(range(4, 9)), reader) == set(range(4, 9))
         assert rc.pubsub_metrics()["fallback_polls"] > polls_before
 

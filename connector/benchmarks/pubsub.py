@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -140,7 +141,7 @@ def measure_latency(
                 writer.append(pa.table({"id": [i]}, schema=SCHEMA))
                 after[i] = time.perf_counter()
                 with cond:
-                    cond.wait_for(lambda i=i: i in received, 10)
+                    cond.wait_for(functools.partial(received.__contains__, i), 10)
         finally:
             stop.set()
             t.join(timeout=5)
