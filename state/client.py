@@ -138,6 +138,7 @@ class PersistClient:
                     self._clock_ms,
                     self.maintenance.after_commit,
                 )
+                m.after_run = self.maintenance.backpressure
                 self.publisher.subscribe(shard_id, m.shared, self.consensus.uri)
             return m
 

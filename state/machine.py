@@ -117,6 +117,8 @@ class Machine:
         self.clock_ms = clock_ms
         self.on_commit = on_commit
         self._cas_lock = threading.RLock()  # reentrant: a commit may write a rollup via run()
+        self.after_run: Callable[[Machine], None] | None = None
+        """Called after each run, outside the lock (compaction backpressure)."""
 
     def state(self) -> ShardState:
         """The newest state this process knows of, loading it on first use."""
@@ -147,7 +149,10 @@ class Machine:
         while other processes still race through compare-and-set as usual.
         """
         with self._cas_lock:
-            return self._run(cmd, idempotent)
+            result = self._run(cmd, idempotent)
+        if self.after_run is not None:
+            self.after_run(self)
+        return result
 
     def _run(self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool) -> R:
         deadline = time.monotonic() + self.config.retry_timeout_s

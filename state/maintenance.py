@@ -75,6 +75,10 @@ def tier(batch: Batch, fan_in: int) -> int:
 MAX_TIERS = 6
 """With more than ``fan_in * MAX_TIERS`` batches, the lightest adjacent ``fan_in`` merge anyway."""
 
+BACKPRESSURE = 2
+"""A trace past ``BACKPRESSURE * fan_in * MAX_TIERS`` batches means background compaction is
+falling behind (e.g. starved by a tight write loop): writers then compact before returning."""
+
 
 def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch, ...] | None:
     """The run of adjacent batches that should be merged now, or None. Pure.
@@ -264,11 +268,19 @@ _STOP = object()
 _LIVE: weakref.WeakSet[Maintenance] = weakref.WeakSet()
 
 
-@atexit.register
 def _stop_all() -> None:
     """At interpreter exit, stop background work before the thread pools it uses shut down."""
     for m in list(_LIVE):
         m.close(timeout_s=2.0)
+
+
+# concurrent.futures refuses new work from its own hook in threading's exit sequence, which
+# runs before atexit's; registered there too (later, so run earlier), maintenance stops first.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_stop_all)
+else:  # pragma: no cover - every CPython since 3.9 has it
+    atexit.register(_stop_all)
 
 
 class Maintenance:
@@ -283,6 +295,7 @@ class Maintenance:
         self._config = config
         self._queue: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
+        self._inline = threading.Lock()
         _LIVE.add(self)
         self._queued: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
@@ -300,6 +313,27 @@ class Maintenance:
             self._submit("compact", machine)
         if state.seqno_since - state.last_gc_seqno >= self._config.gc_interval:
             self._submit("gc", machine)
+
+    def backpressure(self, machine: Machine) -> None:
+        """Compact in the caller's thread while the trace is past the backpressure bound.
+
+        Runs after a command, outside the machine's lock; one caller at a time
+        per client (others return at once and let it work).
+        """
+        cap = BACKPRESSURE * self._config.compaction_fan_in * MAX_TIERS
+        if not self._config.maintenance or len(machine.state().trace) <= cap:
+            return
+        if not self._inline.acquire(blocking=False):
+            return
+        try:
+            while len(machine.state().trace) > cap:
+                request = compaction_request(machine.state(), self._config)
+                if request is None or not compact(machine, request).applied:
+                    break
+        except PersistError as e:
+            log.info("shard %s: backpressure compaction failed: %s", machine.shard_id, e)
+        finally:
+            self._inline.release()
 
     def track_reader(self, reader: ReadHandle) -> None:
         """Heartbeat ``reader`` from the background thread until it is closed or collected."""
@@ -395,6 +429,10 @@ class Maintenance:
             work = lambda: gc(machine, sweep_orphans=n % 16 == 0)  # noqa: E731
         try:
             work()
+        except RuntimeError:
+            if not self._stop.is_set():
+                log.exception("shard %s: background %s failed", machine.shard_id, kind)
+            # else stopping at exit: thread pools refuse new work; the next run redoes it.
         except PersistError as e:
             log.info("shard %s: background %s failed, will retry: %s", machine.shard_id, kind, e)
         except Exception:

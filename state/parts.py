@@ -9,6 +9,7 @@ out (a :class:`LeasedPart`), so one stored part serves every read.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 import zlib
@@ -57,8 +58,9 @@ def validate_schema(schema: pa.Schema) -> pa.Schema:
     return schema.remove_metadata()
 
 
+@functools.lru_cache(maxsize=64)
 def data_schema(schema: pa.Schema) -> pa.Schema:
-    """The schema of a part: the row columns, then ``_time`` and ``_diff``."""
+    """The schema of a part: the row columns, then ``_time`` and ``_diff`` (cached per schema)."""
     return schema.append(pa.field(TIME, TIME_TYPE, nullable=False)).append(
         pa.field(DIFF, DIFF_TYPE, nullable=False)
     )
@@ -118,20 +120,20 @@ def conform_updates(
         raise InvalidUpdates(
             f"updates must be a pyarrow.Table or RecordBatch, got {type(updates).__name__}"
         )
-    has_time = TIME in updates.column_names
-    row_names = [n for n in updates.column_names if n not in RESERVED]
-    row_schema = pa.schema([updates.schema.field(n) for n in row_names])
-    if [(f.name, f.type) for f in row_schema] != [(f.name, f.type) for f in schema]:
-        if set(row_names) == set(schema.names) and all(
+    names = updates.column_names
+    has_time = TIME in names
+    row_fields = [f for f in updates.schema if f.name not in RESERVED]
+    if [(f.name, f.type) for f in row_fields] != [(f.name, f.type) for f in schema]:
+        if {f.name for f in row_fields} == set(schema.names) and all(
             updates.schema.field(f.name).type == f.type for f in schema
         ):
-            extra = [n for n in RESERVED if n in updates.column_names]
-            updates = updates.select([*schema.names, *extra])
+            updates = updates.select([*schema.names, *[n for n in RESERVED if n in names]])
         else:
+            row_schema = pa.schema(row_fields)
             raise SchemaMismatch(schema_mismatch_message(shard, schema, row_schema))
     n = updates.num_rows
-    time = _checked_column(updates, TIME, TIME_TYPE, pa.repeat(pa.scalar(0, TIME_TYPE), n))
-    diff = _checked_column(updates, DIFF, DIFF_TYPE, pa.repeat(pa.scalar(1, DIFF_TYPE), n))
+    time = _checked_column(updates, TIME, TIME_TYPE, 0)
+    diff = _checked_column(updates, DIFF, DIFF_TYPE, 1)
     columns = [updates.column(name) for name in schema.names]
     for f, col in zip(schema, columns, strict=True):
         if not f.nullable and col.null_count:
@@ -146,10 +148,11 @@ def conform_updates(
 
 
 def _checked_column(
-    table: pa.Table, name: str, typ: pa.DataType, default: pa.Array | None
-) -> pa.ChunkedArray | pa.Array | None:
+    table: pa.Table, name: str, typ: pa.DataType, default: int
+) -> pa.ChunkedArray | pa.Array:
+    """The column, checked and cast to ``typ``; or ``default`` repeated when it is absent."""
     if name not in table.column_names:
-        return default
+        return pa.repeat(pa.scalar(default, typ), table.num_rows)
     col = table.column(name)
     if col.null_count:
         raise InvalidUpdates(f"column {name!r} has {col.null_count} nulls; every update needs one")
@@ -163,10 +166,21 @@ def _checked_column(
         raise InvalidUpdates(f"column {name!r} does not fit {typ}: {e}") from e
 
 
+SMALL_ROWS = 64
+"""Up to this many rows, plain Python beats a compute kernel's fixed cost (tiny writes)."""
+
+
+def _bounds(col: pa.ChunkedArray | pa.Array, rows: int) -> tuple[int, int]:
+    if rows <= SMALL_ROWS:
+        values = col.to_pylist()
+        return min(values), max(values)
+    mm = pc.min_max(col)
+    return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
 def time_bounds(table: pa.Table) -> tuple[Time, Time]:
     """The smallest and largest ``_time`` of a non-empty part table."""
-    mm = pc.min_max(table.column(TIME))
-    return int(mm["min"].as_py()), int(mm["max"].as_py())
+    return _bounds(table.column(TIME), table.num_rows)
 
 
 def part_ref(
@@ -178,10 +192,10 @@ def part_ref(
     only: an inline part is tiny and read straight from state anyway.
     """
     tmin, tmax = time_bounds(table)
-    dm = pc.min_max(table.column(DIFF))
+    dmin, dmax = _bounds(table.column(DIFF), table.num_rows)
     return PartRef(
         key, inline, size, table.num_rows, tmin, tmax,
-        dmin=int(dm["min"].as_py()), dmax=int(dm["max"].as_py()),
+        dmin=dmin, dmax=dmax,
         stats=column_stats(table) if key is not None else None,
         crc=crc,
     )
@@ -232,6 +246,16 @@ def part_key_created_ms(key: str) -> int | None:
     name = key.rsplit("/", 1)[-1]
     stamp, sep, _ = name.partition("-")
     return int(stamp) if sep and stamp.isdigit() else None
+
+
+def release_memory() -> None:
+    """Hand Arrow's freed pages back to the OS after a part is done with.
+
+    Arrow's allocator otherwise keeps them cached, so a writer or reader that
+    handled many parts shows an RSS far above what it holds (the memory model
+    counts what is held: B per part in flight).
+    """
+    pa.default_memory_pool().release_unused()
 
 
 def encode_parquet(table: pa.Table) -> memoryview:

@@ -39,6 +39,7 @@ from pyspark_persist.state.parts import (
     data_schema,
     decode_inline,
     fetch_part_bytes,
+    release_memory,
     shape_updates,
 )
 from pyspark_persist.state.state import Batch, PartRef, ShardState, Time
@@ -131,6 +132,7 @@ def iter_parts(
                     f"part {leased.part.key} of shard {leased.shard_id!r} cannot be decoded: {e}"
                 ) from e
             del data, pf
+            release_memory()
 
 
 class ReadHandle:

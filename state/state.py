@@ -156,17 +156,17 @@ class Batch:
         """The batch's name in state: batches tile the time line, so its interval is unique."""
         return f"{self.lower}-{self.upper}"
 
-    @property
+    @cached_property
     def rows(self) -> int:
         """Updates in the batch (before consolidation)."""
         return sum(p.rows for p in self.parts)
 
-    @property
+    @cached_property
     def size_bytes(self) -> int:
         """Encoded bytes of the batch's parts."""
         return sum(p.size_bytes for p in self.parts)
 
-    @property
+    @cached_property
     def inline_bytes(self) -> int:
         """Bytes of the batch held inline in state rather than in Blob."""
         return sum(p.size_bytes for p in self.parts if p.inline is not None)

@@ -43,6 +43,7 @@ from pyspark_persist.state.parts import (
     encode_parquet,
     new_part_key,
     part_ref,
+    release_memory,
     time_bounds,
 )
 from pyspark_persist.state.state import PartRef, Time
@@ -144,6 +145,11 @@ class BatchBuilder:
                 "give every update a _time, or none (the commit then assigns one)"
             )
         target = self._config.part_target_bytes
+        size = table.nbytes
+        if self._buffered_bytes + size < target:  # the common small case: no slicing
+            self._buffer.append(table)
+            self._buffered_bytes += size
+            return
         while table.num_rows:
             room = max(target - self._buffered_bytes, 1)
             rows_fit = max(1, int(table.num_rows * room / max(table.nbytes, 1)))
@@ -223,7 +229,10 @@ class BatchBuilder:
         self._blob.set(key, data)
         with self._timing_lock:
             self.upload_s += time.perf_counter() - started
-        return part_ref(table, key, None, len(data), zlib.crc32(data))
+        ref = part_ref(table, key, None, len(data), zlib.crc32(data))
+        del data, table
+        release_memory()
+        return ref
 
     def _shutdown(self) -> None:
         if self._pool is not None:
