@@ -88,3 +88,32 @@ def test_bench_all_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
     stdout = capsys.readouterr().out
     assert "| metric | persist | peer |" in stdout
+
+
+def test_spark_rows_pair_persist_with_spark_parquet() -> None:
+    """The Spark section puts persist's figures next to Spark Parquet's, with targets judged."""
+    from pyspark_persist.benchmarks.report import spark_rows
+
+    write = {
+        "size_mib": 256.0,
+        "write": [
+            {"writer": "persist", "rows": 10, "mib_per_s": 40.0},
+            {"writer": "parquet", "rows": 10, "mib_per_s": 80.0},
+        ],
+        "latency": [
+            {"pipeline": "rate -> persist sink -> persist source", "p50_ms": 300.0, "p95_ms": 5e2},
+            {"pipeline": "rate -> parquet sink -> parquet source", "p50_ms": 900.0, "p95_ms": 1e3},
+        ],
+    }
+    rows = spark_rows("spark_write", write)
+    assert [(r.persist, r.peer_value, r.met) for r in rows] == [
+        (40.0, 80.0, False), (300.0, 900.0, True), (500.0, 1e3, None)
+    ]
+    read = {"timings": [
+        {"name": "persist 1/core", "partitions": 2, "mib_per_s": 100.0},
+        {"name": "persist 2/core", "partitions": 4, "mib_per_s": 180.0},
+        {"name": "spark parquet", "partitions": 5, "mib_per_s": 150.0},
+    ]}
+    one, two = spark_rows("spark_read", read)
+    assert (one.persist, one.peer_value, one.met) == (100.0, 150.0, True)
+    assert (two.persist, two.peer_value, two.met) == (180.0, 100.0, True)

@@ -675,52 +675,54 @@ def _run_main_json(
     raise RuntimeError(f"{mod.__name__}.main refused every flag set: {last[-300:]}")
 
 
-def _numeric_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _numeric_leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            name = None
-            if isinstance(v, dict):
-                name = v.get("name") or v.get("metric") or v.get("mode")
-            yield from _numeric_leaves(v, f"{prefix}[{name or i}]")
-    elif isinstance(obj, int | float) and not isinstance(obj, bool):
-        yield prefix, float(obj)
+def _by(items: Sequence[dict[str, Any]], key: str, value: str) -> dict[str, Any]:
+    """The entry of a benchmark's result list whose ``key`` starts with ``value``."""
+    for item in items:
+        if str(item.get(key, "")).startswith(value):
+            return item
+    raise KeyError(f"no {key}={value!r} in the benchmark's JSON")
 
 
 def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
-    """Rows from a Spark benchmark's JSON: persist's figures next to Spark Parquet's.
-
-    Pairs leaves whose names differ only by ``persist`` <-> ``parquet``
-    (e.g. ``persist_mib_s`` / ``parquet_mib_s``); lists other latency and
-    goodput figures on their own.
-    """
-    leaves = dict(_numeric_leaves(result))
+    """Rows from a Spark benchmark's JSON: persist's figures next to Spark Parquet's."""
     rows: list[Row] = []
-    used: set[str] = set()
-    for key, value in leaves.items():
-        if "persist" not in key or key in used:
-            continue
-        peer_key = key.replace("persist", "parquet")
-        if peer_key not in leaves:
-            continue
-        used.update((key, peer_key))
-        unit = _unit_of(key)
-        if unit is None:
-            continue
+    if name == "spark_write":
+        persist = _by(result["write"], "writer", "persist")
+        parquet = _by(result["write"], "writer", "parquet")
+        ratio = persist["mib_per_s"] / parquet["mib_per_s"]
         rows.append(Row(
-            key.replace("persist_", "").replace("_persist", ""), value, unit,
-            "Spark Parquet", leaves[peer_key], higher_is_better=unit == "MiB/s",
-            chart="throughput" if unit == "MiB/s" else ("latency" if "p50" in key else None),
-            label=f"{name}: {key.rsplit('.', 1)[-1]}",
+            f"Spark job writing {result['size_mib']:.0f} MiB ({persist['rows']:,} rows)",
+            persist["mib_per_s"], "MiB/s", "Spark Parquet writer", parquet["mib_per_s"],
+            higher_is_better=True, target="ratio >= 1.0", met=ratio >= 1.0,
+            chart="throughput", label="Spark write",
         ))
-    for key, value in leaves.items():
-        if key in used or "config" in key.split(".")[0]:
-            continue
-        unit = _unit_of(key)
-        if unit is not None and ("latency" in key or "p50" in key or "p95" in key):
-            rows.append(Row(key, value, unit))
+        fast = _by(result["latency"], "pipeline", "rate -> persist")
+        slow = _by(result["latency"], "pipeline", "rate -> parquet")
+        for q in ("p50", "p95"):
+            rows.append(Row(
+                f"streaming write-to-visible {q} (rate -> sink -> source -> reader)",
+                fast[f"{q}_ms"], "ms", "Spark file sink + file source", slow[f"{q}_ms"],
+                target="p50 <= 0.5x file pipeline" if q == "p50" else None,
+                met=fast["p50_ms"] <= 0.5 * slow["p50_ms"] if q == "p50" else None,
+                chart="latency" if q == "p50" else None, label="Spark pipeline p50",
+            ))
+    elif name == "spark_read":
+        one = _by(result["timings"], "name", "persist 1/core")
+        two = _by(result["timings"], "name", "persist 2/core")
+        parquet = _by(result["timings"], "name", "spark parquet")
+        best = max(one["mib_per_s"], two["mib_per_s"])
+        rows.append(Row(
+            f"Spark snapshot read, 1 partition per core ({one['partitions']} tasks)",
+            one["mib_per_s"], "MiB/s", "Spark Parquet reader", parquet["mib_per_s"],
+            higher_is_better=True, target="ratio >= 1.0", met=best >= parquet["mib_per_s"],
+            chart="throughput", label="Spark read",
+        ))
+        rows.append(Row(
+            f"Spark snapshot read, 2 partitions per core ({two['partitions']} tasks)",
+            two["mib_per_s"], "MiB/s", "persist, 1 partition per core", one["mib_per_s"],
+            higher_is_better=True, target="ratio >= 1.7",
+            met=two["mib_per_s"] >= 1.7 * one["mib_per_s"],
+        ))
     return rows
 
 
