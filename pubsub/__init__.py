@@ -46,13 +46,11 @@ Transports, all behind one entry point, :func:`connect`:
   (:mod:`.auto`). On PostgreSQL it is LISTEN/NOTIFY; on ``mem://`` off.
 - ``None`` / ``"off"``: no PubSub (polling only).
 
-Example::
+Example (counters: pushed, applied_cleanly, fallback_polls, latency...):
 
-    from pyspark_persist import pubsub
-
-    client = pubsub.open_client(blob_uri, consensus_uri, pubsub="127.0.0.1:6879")
-    ...
-    print(client.pubsub_metrics())   # pushed, applied_cleanly, fallback_polls, latency...
+>>> from pyspark_persist import pubsub
+>>> client = pubsub.open_client(blob_uri, consensus_uri, pubsub="127.0.0.1:6879")
+>>> client.pubsub_metrics()
 
 Counters (:class:`PubSubMetrics`): diffs pushed, dropped, received,
 applied cleanly, applied out of order, duplicates, approximate push-to-apply
@@ -64,13 +62,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from pyspark_persist.pubsub.metrics import PubSubMetrics
-from pyspark_persist.state.errors import InvalidUsage
-from pyspark_persist.state.machine import DiffPublisher, NoopPublisher
+from ..state.errors import InvalidUsage
+from ..state.machine import DiffPublisher, NoopPublisher
+from .metrics import PubSubMetrics
 
 if TYPE_CHECKING:
-    from pyspark_persist.state.client import PersistClient
-    from pyspark_persist.state.config import PersistConfig
+    from ..state.client import PersistClient
+    from ..state.config import PersistConfig
 
 DEFAULT_ADDRESS = "127.0.0.1:6879"
 """Where ``persist pubsub serve`` listens unless told otherwise."""
@@ -106,7 +104,7 @@ def connect(
                 f"pubsub={spec!r} needs a postgresql:// Consensus, not {scheme}://; "
                 "use pubsub=auto or pubsub=host:port instead"
             )
-        from pyspark_persist.pubsub.postgres import PostgresPublisher
+        from .postgres import PostgresPublisher
 
         return PostgresPublisher(consensus_uri)
     if lowered == "auto" or lowered.startswith("auto:"):
@@ -119,7 +117,7 @@ def connect(
             f"invalid pubsub {spec!r}: use host:port (e.g. {DEFAULT_ADDRESS}, served by "
             "`persist pubsub serve`), auto, postgres or off"
         )
-    from pyspark_persist.pubsub.grpc_client import GrpcPublisher
+    from .grpc_client import GrpcPublisher
 
     ca = None
     if tls_ca is not None:
@@ -132,17 +130,17 @@ def connect(
 
 
 def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublisher:
-    from pyspark_persist.pubsub.auto import AutoDiscovery, directory_for
+    from .auto import AutoDiscovery, directory_for
 
     if directory is None:
         if scheme in ("postgres", "postgresql"):
-            from pyspark_persist.pubsub.postgres import PostgresPublisher
+            from .postgres import PostgresPublisher
 
             return PostgresPublisher(consensus_uri)
         directory = directory_for(consensus_uri)
         if directory is None:
             return NoopPublisher()  # mem://: one process, the shared cache is enough
-    from pyspark_persist.pubsub.grpc_client import GrpcPublisher
+    from .grpc_client import GrpcPublisher
 
     return GrpcPublisher(AutoDiscovery(directory), consensus_uri)
 
@@ -161,7 +159,7 @@ def serve(
     ``tls_cert``/``tls_key``: PEM file paths; ``token``: required from every client
     (default ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``.
     """
-    from pyspark_persist.pubsub.server import serve as _serve
+    from .server import serve as _serve
 
     return _serve(
         host, port, tls_cert=tls_cert, tls_key=tls_key,
@@ -178,13 +176,13 @@ def open_client(
     config: PersistConfig | None = None,
 ) -> PersistClient:
     """``PersistClient.open`` with PubSub: ``pubsub`` as for :func:`connect`."""
-    from pyspark_persist.state.blob import open_blob
-    from pyspark_persist.state.client import (
+    from ..state.blob import open_blob
+    from ..state.client import (
         PersistClient,
         default_blob_uri,
         default_consensus_uri,
     )
-    from pyspark_persist.state.consensus import open_consensus
+    from ..state.consensus import open_consensus
 
     store = open_consensus(consensus or default_consensus_uri())
     uri = consensus or default_consensus_uri()

@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pyspark_persist.pubsub import serve
-from pyspark_persist.pubsub.server import DEFAULT_HOST, DEFAULT_PORT
+from . import serve
+from .server import DEFAULT_HOST, DEFAULT_PORT
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

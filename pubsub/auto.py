@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 
-from pyspark_persist.pubsub.server import PubSubServer
+from .server import PubSubServer
 
 log = logging.getLogger(__name__)
 

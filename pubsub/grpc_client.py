@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from pyspark_persist.pubsub import persist_pubsub_pb2 as pb
-from pyspark_persist.pubsub import persist_pubsub_pb2_grpc as pb_grpc
-from pyspark_persist.pubsub.subscriptions import BasePublisher
+from . import persist_pubsub_pb2 as pb
+from . import persist_pubsub_pb2_grpc as pb_grpc
+from .subscriptions import BasePublisher
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pyspark_persist.pubsub import persist_pubsub_pb2 as persist__pubsub__pb2
+from . import persist_pubsub_pb2 as persist__pubsub__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -26,7 +26,7 @@ import uuid
 import psycopg
 from psycopg import sql
 
-from pyspark_persist.pubsub.subscriptions import BasePublisher
+from .subscriptions import BasePublisher
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import grpc
 
-from pyspark_persist.pubsub import persist_pubsub_pb2 as pb
-from pyspark_persist.pubsub import persist_pubsub_pb2_grpc as pb_grpc
+from . import persist_pubsub_pb2 as pb
+from . import persist_pubsub_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import os
 import threading
 import time
 
-from pyspark_persist.pubsub.metrics import PubSubMetrics
-from pyspark_persist.state.cache import SharedState
-from pyspark_persist.state.consensus import VersionedData
+from ..state.cache import SharedState
+from ..state.consensus import VersionedData
+from .metrics import PubSubMetrics
 
 log = logging.getLogger(__name__)
 

@@ -49,29 +49,28 @@ Memory: a writer holds at most ``B * (2N + 1)`` bytes per batch builder
 (``B`` = ``part_target_bytes``, ``N`` = ``max_outstanding_parts``); a reader
 streams parts and holds about ``3B``.
 
-Quick start::
+Quick start (the embedded default: file:// + sqlite:// under ~/.pyspark-persist):
 
-    import pyarrow as pa
-    from pyspark_persist.state import PersistClient
-
-    client = PersistClient.open()      # file:// + sqlite:// under ~/.pyspark-persist
-    shard = client.open_shard("events", pa.schema([("id", pa.int64()), ("name", pa.string())]))
-    shard.writer().append(pa.table({"id": [1, 2], "name": ["a", "b"]}))
-    print(shard.reader().snapshot_table().to_pylist())
+>>> import pyarrow as pa
+>>> from pyspark_persist.state import PersistClient
+>>> client = PersistClient.open()
+>>> shard = client.open_shard("events", pa.schema([("id", pa.int64()), ("name", pa.string())]))
+>>> shard.writer().append(pa.table({"id": [1, 2], "name": ["a", "b"]}))
+>>> shard.reader().snapshot_table().to_pylist()
 """
 
-from pyspark_persist.state.client import (
+from .client import (
     PersistClient,
     Shard,
     default_blob_uri,
     default_consensus_uri,
     default_home,
 )
-from pyspark_persist.state.commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
-from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.parts import DIFF, TIME, LeasedPart
-from pyspark_persist.state.read import Listen, ListenEvent, ReadHandle, Snapshot, iter_parts
-from pyspark_persist.state.write import BatchBuilder, StagedBatch, WriteHandle
+from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
+from .config import PersistConfig
+from .parts import DIFF, TIME, LeasedPart
+from .read import Listen, ListenEvent, ReadHandle, Snapshot, iter_parts
+from .write import BatchBuilder, StagedBatch, WriteHandle
 
 __all__ = [
     "DIFF",

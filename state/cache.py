@@ -13,9 +13,9 @@ from __future__ import annotations
 import threading
 import time
 
-from pyspark_persist.state.consensus import VersionedData
-from pyspark_persist.state.diff import decode
-from pyspark_persist.state.state import ShardState
+from .consensus import VersionedData
+from .diff import decode
+from .state import ShardState
 
 
 class SharedState:

@@ -10,31 +10,31 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from pyspark_persist.state import commands
-from pyspark_persist.state.blob import Blob, open_blob
-from pyspark_persist.state.cache import PROCESS_CACHE, StateCache
-from pyspark_persist.state.commands import CriticalSince, create_shard
-from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.consensus import CaSCommitted, Consensus, VersionedData, open_consensus
-from pyspark_persist.state.diff import encode
-from pyspark_persist.state.errors import (
+from . import commands
+from .blob import Blob, open_blob
+from .cache import PROCESS_CACHE, StateCache
+from .commands import CriticalSince, create_shard
+from .config import PersistConfig
+from .consensus import CaSCommitted, Consensus, VersionedData, open_consensus
+from .diff import encode
+from .errors import (
     InvalidUsage,
     SchemaMismatch,
     ShardExists,
     ShardNotFound,
 )
-from pyspark_persist.state.machine import DiffPublisher, Machine, Metrics, NoopPublisher
-from pyspark_persist.state.maintenance import CompactionReport, GcReport, Maintenance
-from pyspark_persist.state.parts import (
+from .machine import DiffPublisher, Machine, Metrics, NoopPublisher
+from .maintenance import CompactionReport, GcReport, Maintenance
+from .parts import (
     decode_schema,
     encode_schema,
     schema_mismatch_message,
     validate_schema,
 )
-from pyspark_persist.state.read import ReadHandle
-from pyspark_persist.state.state import ShardState, Time
-from pyspark_persist.state.tracing import traced
-from pyspark_persist.state.write import WriteHandle
+from .read import ReadHandle
+from .state import ShardState, Time
+from .tracing import traced
+from .write import WriteHandle
 
 HOME_ENV = "PERSIST_HOME"
 """Environment variable naming the directory of the embedded default location."""

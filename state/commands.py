@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 from typing import Generic, TypeVar
 
-from pyspark_persist.state.diff import DiffBuilder, StateDiff
-from pyspark_persist.state.state import (
+from .diff import DiffBuilder, StateDiff
+from .state import (
     EMPTY_STATE,
     Batch,
     CriticalReaderState,

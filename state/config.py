@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pyspark_persist.state.errors import InvalidUsage
+from .errors import InvalidUsage
 
 MiB = 1 << 20
 

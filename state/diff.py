@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyspark_persist.state.errors import CorruptData, IncompatibleVersion
-from pyspark_persist.state.state import MAP_CODECS, SCALARS, ShardState
+from .errors import CorruptData, IncompatibleVersion
+from .state import MAP_CODECS, SCALARS, ShardState
 
 FORMAT_VERSION = 1
 _MAGIC = b"PSD"

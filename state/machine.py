@@ -20,15 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from pyspark_persist.state.blob import Blob
-from pyspark_persist.state.cache import SharedState
-from pyspark_persist.state.commands import Apply, Refuse, add_rollup
-from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.consensus import CaSCommitted, Consensus, VersionedData
-from pyspark_persist.state.diff import encode
-from pyspark_persist.state.errors import Determinate, Indeterminate, ShardNotFound
-from pyspark_persist.state.state import ShardState
-from pyspark_persist.state.versions import load_state, write_rollup
+from .blob import Blob
+from .cache import SharedState
+from .commands import Apply, Refuse, add_rollup
+from .config import PersistConfig
+from .consensus import CaSCommitted, Consensus, VersionedData
+from .diff import encode
+from .errors import Determinate, Indeterminate, ShardNotFound
+from .state import ShardState
+from .versions import load_state, write_rollup
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pyspark_persist.state import commands
-from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.diff import decode
-from pyspark_persist.state.errors import PersistError
-from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import (
+from . import commands
+from .config import PersistConfig
+from .diff import decode
+from .errors import PersistError
+from .machine import Machine
+from .parts import (
     MAX_TIME,
     TIME,
     TIME_TYPE,
@@ -57,12 +57,12 @@ from pyspark_persist.state.parts import (
     part_key_created_ms,
     with_times,
 )
-from pyspark_persist.state.state import EMPTY_STATE, Batch, ShardState
-from pyspark_persist.state.tracing import traced
-from pyspark_persist.state.versions import rollup_key, write_rollup
+from .state import EMPTY_STATE, Batch, ShardState
+from .tracing import traced
+from .versions import rollup_key, write_rollup
 
 if TYPE_CHECKING:
-    from pyspark_persist.state.read import ReadHandle
+    from .read import ReadHandle
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ class CompactionReport:
 @traced("compact")
 def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     """Merge ``batches`` (adjacent, in time order) and swap the merge into state if still valid."""
-    from pyspark_persist.state.read import iter_parts
-    from pyspark_persist.state.write import BatchBuilder, delete_staged
+    from .read import iter_parts
+    from .write import BatchBuilder, delete_staged
 
     state = machine.state()
     lower, upper = batches[0].lower, batches[-1].upper

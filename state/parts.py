@@ -21,15 +21,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pyspark_persist.state.blob import Blob
-from pyspark_persist.state.errors import (
+from .blob import Blob
+from .errors import (
     CorruptData,
     InvalidUpdates,
     InvalidUsage,
     PartNotFound,
     SchemaMismatch,
 )
-from pyspark_persist.state.state import PartRef, Time
+from .state import PartRef, Time
 
 TIME = "_time"
 DIFF = "_diff"

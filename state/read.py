@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pyspark_persist.state import commands
-from pyspark_persist.state.blob import Blob
-from pyspark_persist.state.errors import CorruptData, InvalidFrontier, LeaseExpired
-from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import (
+from . import commands
+from .blob import Blob
+from .errors import CorruptData, InvalidFrontier, LeaseExpired
+from .machine import Machine
+from .parts import (
     LeasedPart,
     consolidate,
     data_schema,
@@ -42,11 +42,11 @@ from pyspark_persist.state.parts import (
     release_memory,
     shape_updates,
 )
-from pyspark_persist.state.state import Batch, PartRef, ShardState, Time
-from pyspark_persist.state.tracing import traced
+from .state import Batch, PartRef, ShardState, Time
+from .tracing import traced
 
 if TYPE_CHECKING:
-    from pyspark_persist.state.maintenance import Maintenance
+    from .maintenance import Maintenance
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from pyspark_persist.state.errors import CorruptData
+from .errors import CorruptData
 
 if TYPE_CHECKING:
-    from pyspark_persist.state.diff import StateDiff
+    from .diff import StateDiff
 
 Time = int
 """An update's time: an unsigned 64-bit integer (milliseconds since the epoch for Spark writes)."""

@@ -52,9 +52,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue
-from pyspark_persist.state.consensus import CaSResult, Consensus, SeqNo, VersionedData
-from pyspark_persist.state.errors import Indeterminate, InvalidUsage, StoreUnavailable
+from .blob import Blob, BlobMeta, BlobValue
+from .consensus import CaSResult, Consensus, SeqNo, VersionedData
+from .errors import Indeterminate, InvalidUsage, StoreUnavailable
 
 T = TypeVar("T")
 

@@ -10,11 +10,11 @@ holds the state at SeqNo ``n`` only reads rows after ``n``.
 
 from __future__ import annotations
 
-from pyspark_persist.state.blob import Blob
-from pyspark_persist.state.consensus import Consensus, VersionedData
-from pyspark_persist.state.diff import decode, encode, full_diff
-from pyspark_persist.state.errors import CorruptData
-from pyspark_persist.state.state import EMPTY_STATE, ShardState
+from .blob import Blob
+from .consensus import Consensus, VersionedData
+from .diff import decode, encode, full_diff
+from .errors import CorruptData
+from .state import EMPTY_STATE, ShardState
 
 
 def rollup_key(shard_id: str, seqno: int) -> str:

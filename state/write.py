@@ -30,13 +30,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from pyspark_persist.state import commands
-from pyspark_persist.state.blob import Blob
-from pyspark_persist.state.commands import AlreadyCommitted, AppendResult, Committed
-from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.errors import InvalidFrontier, InvalidUpdates, InvalidUsage
-from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import (
+from . import commands
+from .blob import Blob
+from .commands import AlreadyCommitted, AppendResult, Committed
+from .config import PersistConfig
+from .errors import InvalidFrontier, InvalidUpdates, InvalidUsage
+from .machine import Machine
+from .parts import (
     MAX_TIME,
     conform_updates,
     encode_inline,
@@ -46,8 +46,8 @@ from pyspark_persist.state.parts import (
     release_memory,
     time_bounds,
 )
-from pyspark_persist.state.state import PartRef, Time
-from pyspark_persist.state.tracing import traced
+from .state import PartRef, Time
+from .tracing import traced
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pyspark_persist.state.errors import InvalidUri, InvalidUsage
-from pyspark_persist.state.tracing import BLOB_TRACED, trace_store_class
+from ..errors import InvalidUri, InvalidUsage
+from ..tracing import BLOB_TRACED, trace_store_class
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
@@ -91,15 +91,15 @@ def open_blob(uri: str) -> Blob:
             f"blob URI {uri!r} has no scheme: use file:///abs/path, s3://bucket/prefix or mem://name"
         )
     if scheme == "file":
-        from pyspark_persist.state.blob.file import FileBlob
+        from .file import FileBlob
 
         return FileBlob.from_uri(uri)
     if scheme == "s3":
-        from pyspark_persist.state.blob.s3 import S3Blob
+        from .s3 import S3Blob
 
         return S3Blob.from_uri(uri)
     if scheme == "mem":
-        from pyspark_persist.state.blob.mem import MemBlob
+        from .mem import MemBlob
 
         return MemBlob.from_uri(uri)
     raise InvalidUri(

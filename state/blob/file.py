@@ -39,8 +39,8 @@ import stat
 import uuid
 from collections.abc import Iterator
 
-from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, validate_key
-from pyspark_persist.state.errors import InvalidUri, InvalidUsage, StoreUnavailable
+from ..errors import InvalidUri, InvalidUsage, StoreUnavailable
+from . import Blob, BlobMeta, BlobValue, validate_key
 
 _TMP_PREFIX = ".tmp~"
 

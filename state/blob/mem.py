@@ -15,8 +15,8 @@ import re
 import threading
 from collections.abc import Iterator
 
-from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, validate_key
-from pyspark_persist.state.errors import InvalidUri
+from ..errors import InvalidUri
+from . import Blob, BlobMeta, BlobValue, validate_key
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]*$")
 

@@ -43,14 +43,14 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import Loader, create_loader
 
-from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, validate_key
-from pyspark_persist.state.errors import (
+from ..errors import (
     Indeterminate,
     InvalidUri,
     InvalidUsage,
     PersistError,
     StoreUnavailable,
 )
+from . import Blob, BlobMeta, BlobValue, validate_key
 
 # Loose on purpose: legacy buckets may hold upper case or '_'. No ':' (no port) or '@'.
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")

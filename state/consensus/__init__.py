@@ -30,8 +30,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from pyspark_persist.state.errors import InvalidUri
-from pyspark_persist.state.tracing import CONSENSUS_TRACED, trace_store_class
+from ..errors import InvalidUri
+from ..tracing import CONSENSUS_TRACED, trace_store_class
 
 SeqNo = int
 """A shard state's version: starts at 1 and increases by one with every change."""
@@ -112,11 +112,11 @@ def open_consensus(uri: str) -> Consensus:
         )
     base = scheme.split("+", 1)[0]
     if base in ("sqlite", "postgresql", "postgres"):
-        from pyspark_persist.state.consensus.sql import SqlConsensus
+        from .sql import SqlConsensus
 
         return SqlConsensus.from_uri(uri)
     if base == "mem":
-        from pyspark_persist.state.consensus.mem import MemConsensus
+        from .mem import MemConsensus
 
         return MemConsensus.from_uri(uri)
     raise InvalidUri(

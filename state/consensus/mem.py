@@ -15,7 +15,8 @@ from __future__ import annotations
 import bisect
 import threading
 
-from pyspark_persist.state.consensus import (
+from ..errors import InvalidUri, InvalidUsage
+from . import (
     CaSCommitted,
     CaSMismatch,
     CaSResult,
@@ -23,7 +24,6 @@ from pyspark_persist.state.consensus import (
     SeqNo,
     VersionedData,
 )
-from pyspark_persist.state.errors import InvalidUri, InvalidUsage
 
 
 def check_cas_args(expected: SeqNo | None, new: VersionedData) -> None:

@@ -59,7 +59,13 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.schema import CreateTable
 
-from pyspark_persist.state.consensus import (
+from ..errors import (
+    Indeterminate,
+    InvalidUri,
+    InvalidUsage,
+    StoreUnavailable,
+)
+from . import (
     CaSCommitted,
     CaSMismatch,
     CaSResult,
@@ -67,13 +73,7 @@ from pyspark_persist.state.consensus import (
     SeqNo,
     VersionedData,
 )
-from pyspark_persist.state.consensus.mem import check_cas_args, check_scan_limit
-from pyspark_persist.state.errors import (
-    Indeterminate,
-    InvalidUri,
-    InvalidUsage,
-    StoreUnavailable,
-)
+from .mem import check_cas_args, check_scan_limit
 
 T = TypeVar("T")
 
