@@ -22,12 +22,12 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxFiles,
     ReadMaxRows,
 )
+from source_helpers import SCHEMA, Row, merge_all, rows
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, Shard
 from pyspark_persist.state.errors import InvalidUsage
-from pyspark_persist.state.maintenance import compact
 from pyspark_persist.state.parts import LeasedPart
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.stream_reader import (
@@ -39,31 +39,6 @@ from pyspark_persist.stream_reader import (
     read_partition,
     split_parts,
 )
-
-SCHEMA = pa.schema([("id", pa.int64()), ("s", pa.string())])
-Row = tuple[int, str]
-
-
-def merge_all(shard: Shard) -> None:
-    """Compact the whole trace into one batch (retrying past background compactions)."""
-    for _ in range(20):
-        trace = shard.state().trace
-        if len(trace) <= 1:
-            return
-        compact(shard.machine, trace)
-    raise AssertionError("the trace never merged into one batch")
-
-
-def rows(ids: range | list[int], diff: int = 1) -> pa.Table:
-    """Updates of ``SCHEMA``; 32-char strings, so 100+ rows make a Blob (not inline) part."""
-    ids = list(ids)
-    return pa.table(
-        {
-            "id": pa.array(ids, pa.int64()),
-            "s": [f"v{i:031d}" for i in ids],
-            "_diff": pa.array([diff] * len(ids), pa.int64()),
-        }
-    )
 
 
 class Env:
