@@ -35,12 +35,12 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
-from pyspark_persist.source import client_for
+from pyspark_persist.source import blob_for, client_for
 from pyspark_persist.state.errors import InvalidFrontier
 from pyspark_persist.state.parts import consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
-from pyspark_persist.stream_reader import PersistInputPartition, _blob, split_parts
+from pyspark_persist.stream_reader import PersistInputPartition, split_parts
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class PersistBatchReader(DataSourceReader):
             return  # partitions() found nothing to read: Spark still runs one (None) task
         target = output_arrow_schema(self._schema)
         tables: Iterable[pa.Table] = iter_parts(
-            _blob(partition.blob_uri), partition.leased_parts()
+            blob_for(partition.blob_uri), partition.leased_parts()
         )
         if isinstance(partition, ConsolidatingPartition):
             row_columns = [n for n in target.names if n not in ("_time", "_diff")]

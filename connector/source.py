@@ -14,6 +14,7 @@ from pyspark.sql.datasource import DataSource
 from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
+from pyspark_persist.state.blob import Blob, open_blob
 from pyspark_persist.state.client import PersistClient
 
 if TYPE_CHECKING:
@@ -44,6 +45,18 @@ def client_for(opts: PersistOptions) -> PersistClient:
                 opts.blob, opts.consensus, publisher=publisher
             )
         return client
+
+
+_blobs: dict[str, Blob] = {}
+
+
+def blob_for(uri: str) -> Blob:
+    """One Blob per URI per process: executors reuse it across tasks (Spark reuses workers)."""
+    with _clients_lock:
+        blob = _blobs.get(uri)
+        if blob is None:
+            blob = _blobs[uri] = open_blob(uri)
+        return blob
 
 
 class PersistDataSource(DataSource):

@@ -40,7 +40,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
-from pyspark_persist.state.blob import Blob, open_blob
+from pyspark_persist.source import blob_for
 from pyspark_persist.state.errors import InvalidUsage
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart
@@ -369,19 +369,6 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._holder.close()
 
 
-_blobs: dict[str, Blob] = {}
-_blobs_lock = threading.Lock()
-
-
-def _blob(uri: str) -> Blob:
-    """One Blob per URI per executor process (Spark reuses Python workers)."""
-    with _blobs_lock:
-        blob = _blobs.get(uri)
-        if blob is None:
-            blob = _blobs[uri] = open_blob(uri)
-        return blob
-
-
 def read_partition(
     partition: PersistInputPartition, schema: StructType
 ) -> Iterator[pa.RecordBatch]:
@@ -390,7 +377,7 @@ def read_partition(
 
     target = output_arrow_schema(schema)
     parts = partition.leased_parts()
-    for table in iter_parts(_blob(partition.blob_uri), parts):
+    for table in iter_parts(blob_for(partition.blob_uri), parts):
         if table.num_rows:
             yield from table.select(target.names).cast(target).to_batches()
 

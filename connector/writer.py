@@ -37,7 +37,7 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import write_schema
-from pyspark_persist.source import client_for
+from pyspark_persist.source import blob_for, client_for
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage
@@ -115,7 +115,6 @@ def stage_rows(
     opts: PersistOptions, shard_schema: bytes, has_diff: bool, batches: Iterator[pa.RecordBatch]
 ) -> PersistCommitMessage:
     """Executor side: stage one task's rows as parts; return what was staged."""
-    from pyspark_persist.stream_reader import _blob
 
     started = time.perf_counter()
     schema = decode_schema(shard_schema)
@@ -123,7 +122,7 @@ def stage_rows(
     config = PersistConfig(
         part_target_bytes=opts.part_size_bytes or PersistConfig.part_target_bytes
     )
-    builder = BatchBuilder(_blob(opts.blob), opts.shard, schema, config, allow_inline=False)
+    builder = BatchBuilder(blob_for(opts.blob), opts.shard, schema, config, allow_inline=False)
     try:
         for rb in batches:
             if rb.num_rows:
@@ -188,9 +187,8 @@ def commit_staged(
 
 def abort_staged(opts: PersistOptions, messages: list[WriterCommitMessage | None]) -> None:
     """Delete every part the tasks staged: the micro-batch was not committed."""
-    from pyspark_persist.stream_reader import _blob
 
-    blob = _blob(opts.blob)
+    blob = blob_for(opts.blob)
     state = client_for(opts).open_shard(opts.shard, create=False).state()
     referenced = {p.key for b in state.batches.values() for p in b.parts}
     for m in _staged(messages):
