@@ -14,7 +14,10 @@ leases the SeqNo of every part it hands out in ``partitions()``, and returns
 those leases (and downgrades its since to what was emitted) only when
 Spark's ``commit(end)`` says the micro-batch is done. So GC never deletes a
 part a running task still has to read, and if the driver dies, its reader
-stops heartbeating and its holds expire. ``read()`` is stateless: the
+stops heartbeating and its holds expire. Writing the returned leases and the
+new since to state is a compare-and-set that Spark would wait for before the
+next micro-batch; a background :class:`HoldUpdater` does it instead. ``read()``
+is stateless: the
 :class:`PersistInputPartition` carries the Blob URI and the leased parts.
 """
 
@@ -128,6 +131,83 @@ def split_parts(
     return bins
 
 
+class HoldUpdater:
+    """Records a reader's returned leases and new since in state, off Spark's critical path.
+
+    Spark calls the source's ``commit`` inside the offset-log phase of the
+    *next* micro-batch (``walCommit``), so a compare-and-set there delays every
+    micro-batch by a Consensus round trip. The leases are returned in memory at
+    once; this thread then writes the holds to state, folding the commits that
+    arrive meanwhile into one. Late is safe (GC and compaction only wait a
+    little longer); a failure (the reader expired) is raised by the next call.
+    """
+
+    def __init__(self, reader: ReadHandle) -> None:
+        self._reader = reader
+        self._cond = threading.Condition()
+        self._pending = False
+        self._busy = False
+        self._since: int | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="persist-source-holds",
+                                        daemon=True)
+        self._thread.start()
+
+    def request(self, since: int | None) -> None:
+        """Record the holds (and ``since``, when given) soon."""
+        with self._cond:
+            self._raise()
+            if since is not None:
+                self._since = since if self._since is None else max(self._since, since)
+            self._pending = True
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise what the last background update failed with, if anything."""
+        with self._cond:
+            self._raise()
+
+    def flush(self) -> None:
+        """Wait until every requested update is in state (or failed: then raise)."""
+        with self._cond:
+            while (self._pending or self._busy) and self._error is None and not self._closed:
+                self._cond.wait()
+            self._raise()
+
+    def close(self) -> None:
+        """Stop the thread; updates not yet written are dropped (the reader is going away)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                since, self._since, self._pending, self._busy = self._since, None, False, True
+            error: BaseException | None = None
+            try:
+                if since is None:
+                    self._reader.heartbeat()
+                else:
+                    self._reader.downgrade_since(since)
+            except BaseException as e:  # noqa: BLE001 - handed to the next caller
+                error = e
+            with self._cond:
+                self._busy = False
+                if error is not None:
+                    self._error = error
+                self._cond.notify_all()
+
+
 class LeaseHolder:
     """The driver-side half of the source: plans micro-batches and holds their leases."""
 
@@ -138,6 +218,7 @@ class LeaseHolder:
         self._client = client_for(opts)
         self._shard = self._client.open_shard(opts.shard, create=False)
         self._reader: ReadHandle = self._shard.reader()
+        self.holds = HoldUpdater(self._reader)
         self._lock = threading.Lock()
         self._leased: dict[int, list[int]] = {}  # end upper -> SeqNos leased for that batch
         self.available_now_upper: int | None = None
@@ -168,6 +249,7 @@ class LeaseHolder:
 
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         """The end of the next micro-batch: everything available, cut by the read limit."""
+        self.holds.check()
         state = self.current_state()
         target = state.upper
         if self.available_now_upper is not None:
@@ -192,6 +274,7 @@ class LeaseHolder:
 
     def plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         """Lease and split the parts of ``(start, end]``; held until ``commit(end)``."""
+        self.holds.check()
         if end.upper <= start.upper and start.phase == "listen":
             return []
         state = self.machine.state()
@@ -239,19 +322,21 @@ class LeaseHolder:
             self._leased.setdefault(end_upper, []).append(seqno)
 
     def commit(self, end: Offset) -> None:
-        """Spark finished every micro-batch up to ``end``: return their leases, move since on."""
+        """Spark finished every micro-batch up to ``end``: return their leases, move since on.
+
+        The leases go at once; state learns of it through ``holds`` (see HoldUpdater).
+        """
+        self.holds.check()
         with self._lock:
             done = [u for u in self._leased if u <= end.upper]
             seqnos = [s for u in done for s in self._leased.pop(u)]
         for s in seqnos:
             self._reader.release(s)
-        if end.phase == "listen" and end.upper > 0:
-            self._reader.downgrade_since(end.upper - 1)
-        else:
-            self._reader.heartbeat()
+        self.holds.request(end.upper - 1 if end.phase == "listen" and end.upper > 0 else None)
 
     def close(self) -> None:
         """Expire the reader now (Spark stopped the query)."""
+        self.holds.close()
         self._reader.close()
 
     def _data_loss(self, what: str, resume: int) -> int:

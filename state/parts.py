@@ -259,11 +259,14 @@ def release_memory() -> None:
 
 
 def encode_parquet(table: pa.Table) -> memoryview:
-    """Encode a part table as Parquet (a view of Arrow's buffer: no copy into ``bytes``)."""
+    """Encode a part table as Parquet (a view of Arrow's buffer: no copy into ``bytes``).
+
+    No page checksums: the part's whole-object CRC-32 (``PartRef.crc``, checked on
+    every fetch) already catches any flipped or missing byte, and page checksums
+    cost about a tenth of the encode and a fifth of the decode on top of it.
+    """
     sink = pa.BufferOutputStream()
-    pq.write_table(
-        table, sink, compression="snappy", write_statistics=True, write_page_checksum=True
-    )
+    pq.write_table(table, sink, compression="snappy", write_statistics=True)
     return memoryview(sink.getvalue())
 
 

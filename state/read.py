@@ -124,7 +124,7 @@ def iter_parts(
                 yield shape_updates(decode_inline(data, leased.shard_id), leased)
                 continue
             try:
-                pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+                pf = pq.ParquetFile(pa.BufferReader(data))
                 for rb in pf.iter_batches(batch_size=batch_rows):
                     yield shape_updates(rb, leased)
             except (pa.ArrowInvalid, OSError) as e:

@@ -91,7 +91,8 @@ def test_bench_all_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_spark_rows_pair_persist_with_spark_parquet() -> None:
-    """The Spark section puts persist's figures next to Spark Parquet's, with targets judged."""
+    """The Spark section puts persist's figures next to Spark Parquet's, with targets judged,
+    and the API's own ceiling and floor beside them as unjudged scale rows."""
     from pyspark_persist.benchmarks.report import spark_rows
 
     write = {
@@ -99,21 +100,27 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
         "write": [
             {"writer": "persist", "rows": 10, "mib_per_s": 40.0},
             {"writer": "parquet", "rows": 10, "mib_per_s": 80.0},
+            {"writer": "discard", "rows": 10, "mib_per_s": 90.0},
         ],
         "latency": [
             {"pipeline": "rate -> persist sink -> persist source", "p50_ms": 300.0, "p95_ms": 5e2},
             {"pipeline": "rate -> parquet sink -> parquet source", "p50_ms": 900.0, "p95_ms": 1e3},
+            {"pipeline": "rate -> foreachBatch (floor)", "p50_ms": 550.0, "p95_ms": 7e2},
         ],
     }
     rows = spark_rows("spark_write", write)
     assert [(r.persist, r.peer_value, r.met) for r in rows] == [
-        (40.0, 80.0, False), (300.0, 900.0, True), (500.0, 1e3, None)
+        (40.0, 80.0, False), (90.0, 80.0, None), (300.0, 900.0, True), (500.0, 1e3, None),
+        (550.0, 900.0, None),
     ]
+    assert all(r.note.startswith("not persist") for r in rows if r.metric.startswith("(scale)"))
     read = {"timings": [
         {"name": "persist 1/core", "partitions": 2, "mib_per_s": 100.0},
         {"name": "persist 2/core", "partitions": 4, "mib_per_s": 180.0},
         {"name": "spark parquet", "partitions": 5, "mib_per_s": 150.0},
+        {"name": "python source, no I/O", "partitions": 2, "mib_per_s": 200.0},
     ]}
-    one, two = spark_rows("spark_read", read)
+    one, two, ceiling = spark_rows("spark_read", read)
     assert (one.persist, one.peer_value, one.met) == (100.0, 150.0, True)
     assert (two.persist, two.peer_value, two.met) == (180.0, 100.0, True)
+    assert (ceiling.persist, ceiling.peer_value, ceiling.met) == (200.0, 150.0, None)

@@ -9,6 +9,7 @@ milliseconds. ``tests/test_source_spark.py`` checks the same paths end to end.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -219,6 +220,7 @@ def test_gc_and_compaction_during_a_slow_micro_batch_cannot_delete_its_parts() -
     # Every task still reads every part.
     assert consolidated(read_all(reader, parts)) == expected
     reader.commit(end)
+    reader.holder.holds.flush()  # the holds reach state in the background
     committed = env.shard.state()
     assert committed.seqno_since > leased_at
     reader_id = reader.holder._reader.reader_id
@@ -233,6 +235,57 @@ def test_gc_and_compaction_during_a_slow_micro_batch_cannot_delete_its_parts() -
     assert tail == consolidated(rows(range(5000, 5300)).to_pylist())
     reader.stop()
     assert reader_id not in env.shard.state().leased_readers
+
+
+def test_commit_returns_at_once_and_the_holds_follow_in_the_background() -> None:
+    """Spark waits for commit() before the next micro-batch: it must not wait on Consensus.
+
+    The leases go in memory at once; the since and SeqNo hold reach state from
+    the HoldUpdater thread, here held back until the test lets it go.
+    """
+    env = Env()
+    env.write(rows(range(100)))
+    reader = env.reader()
+    start = reader.initialOffset()
+    end, _, _ = micro_batch(reader, start)
+    reader.holder.holds.flush()
+    handle = reader.holder._reader
+    gate = threading.Event()
+    real = handle.downgrade_since
+
+    def slow_downgrade(since: int) -> None:
+        gate.wait(10)
+        real(since)
+
+    handle.downgrade_since = slow_downgrade  # type: ignore[method-assign]
+    env.write(rows(range(100, 200)))
+    end2, out, _ = micro_batch(reader, end)  # its commit() returns while the update waits
+    assert len(out) == 100
+    assert handle.leased_seqnos() == []  # the leases are back already
+    emitted = Offset.from_dict(end2, env.base["shard"]).upper
+    assert env.shard.state().leased_readers[handle.reader_id].since < emitted - 1
+    gate.set()
+    reader.holder.holds.flush()
+    assert env.shard.state().leased_readers[handle.reader_id].since == emitted - 1
+    reader.stop()
+
+
+def test_a_failed_background_hold_update_fails_the_next_call() -> None:
+    """A reader that expired (say, the driver stalled past its lease) fails the query loudly."""
+    from pyspark_persist.state import commands
+    from pyspark_persist.state.errors import LeaseExpired
+
+    env = Env()
+    env.write(rows(range(10)))
+    reader = env.reader()
+    end, _, _ = micro_batch(reader, reader.initialOffset())
+    rid = reader.holder._reader.reader_id
+    env.shard.machine.run(lambda s: commands.expire_leased_readers(s, reader_ids=(rid,)))
+    reader.commit(end)  # the update fails in the background...
+    with pytest.raises(LeaseExpired, match=rid):
+        reader.holder.holds.flush()
+    with pytest.raises(LeaseExpired, match=rid):  # ...and every later call says so
+        reader.latestOffset(end, reader.getDefaultReadLimit())
 
 
 def test_restart_from_checkpointed_offset_after_compaction() -> None:

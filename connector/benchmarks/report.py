@@ -696,6 +696,13 @@ def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
             higher_is_better=True, target="ratio >= 1.0", met=ratio >= 1.0,
             chart="throughput", label="Spark write",
         ))
+        discard = _by(result["write"], "writer", "discard")
+        rows.append(Row(
+            "(scale) the same write into a Python sink that discards the rows",
+            discard["mib_per_s"], "MiB/s", "Spark Parquet writer", parquet["mib_per_s"],
+            higher_is_better=True,
+            note="not persist: the most any Python Data Source sink reaches on this machine",
+        ))
         fast = _by(result["latency"], "pipeline", "rate -> persist")
         slow = _by(result["latency"], "pipeline", "rate -> parquet")
         for q in ("p50", "p95"):
@@ -706,6 +713,12 @@ def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
                 met=fast["p50_ms"] <= 0.5 * slow["p50_ms"] if q == "p50" else None,
                 chart="latency" if q == "p50" else None, label="Spark pipeline p50",
             ))
+        floor = _by(result["latency"], "pipeline", "rate -> foreachBatch")
+        rows.append(Row(
+            "(scale) p50 of the rate source straight into foreachBatch, one query",
+            floor["p50_ms"], "ms", "Spark file sink + file source", slow["p50_ms"],
+            note="not persist: the floor of any pipeline that starts at the rate source",
+        ))
     elif name == "spark_read":
         one = _by(result["timings"], "name", "persist 1/core")
         two = _by(result["timings"], "name", "persist 2/core")
@@ -722,6 +735,13 @@ def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
             two["mib_per_s"], "MiB/s", "persist, 1 partition per core", one["mib_per_s"],
             higher_is_better=True, target="ratio >= 1.7",
             met=two["mib_per_s"] >= 1.7 * one["mib_per_s"],
+        ))
+        ceiling = _by(result["timings"], "name", "python source, no I/O")
+        rows.append(Row(
+            "(scale) the same scan of a Python source that does no I/O",
+            ceiling["mib_per_s"], "MiB/s", "Spark Parquet reader", parquet["mib_per_s"],
+            higher_is_better=True,
+            note="not persist: the most any Python Data Source reader reaches on this machine",
         ))
     return rows
 

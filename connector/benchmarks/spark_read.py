@@ -5,17 +5,22 @@ Run it as ``persist bench spark-read`` or ``python -m pyspark_persist.benchmarks
 ``--size-mib`` MiB (Arrow bytes) of rows ``(id int64, x float64, s 32-char string)``
 once, writes them to a persist shard (Python API, one BatchBuilder commit) and as
 Parquet files (pyarrow, same part size and compression), then in one local Spark session
-(``local[cores]``) times full scans (``selectExpr("sum(id)", "sum(length(s))")``) of:
+(``local[cores]``) times full scans (``selectExpr("sum(id)", "sum(x)", "sum(length(s))")``,
+so every column is read) of:
 
 - persist with 1 partition per core (``minPartitions = cores``, huge ``splitSizeBytes``);
 - persist with 2 partitions per core (``minPartitions = 2 * cores``);
 - Spark's built-in Parquet reader over the Parquet copy (``maxPartitionBytes`` set so it
-  also uses 2 partitions per core).
+  also uses 2 partitions per core);
+- the ceiling of Spark's Python Data Source API itself: a source that does no I/O and
+  yields the same number of rows, already in memory as Arrow batches of persist's read
+  schema, one partition per core. No Python source, persist included, can read faster
+  than this; when it is below Spark's Parquet reader, so is every Python source.
 
 Each is run ``--repeat`` times after one warm-up; the best time counts. Targets printed
-next to the ratios: the 2-way split at least 1.7x the 1-way, persist (2-way) at least
-1.0x Spark's Parquet reader. The shard and files live in a temporary ``--workdir``
-(removed afterwards unless given).
+next to the ratios: the 2-way split at least 1.7x the 1-way, persist (its better
+split) at least 1.0x Spark's Parquet reader. The shard and files live in a temporary
+``--workdir`` (removed afterwards unless given).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ SPLIT_TARGET = 1.7
 """2 partitions per core must read at least this many times faster than 1 per core."""
 PARQUET_TARGET = 1.0
 """persist must read at least this fast relative to Spark's Parquet reader."""
+CEILING = "python source, no I/O"
+"""The timing of the API-ceiling peer (see ``ceiling.py``)."""
 SHARD = "bench-spark-read"
 SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("s", pa.string())])
 ROW_BYTES = 8 + 8 + 32 + 4  # Arrow bytes per row (string offsets included)
@@ -104,13 +111,23 @@ def write_data(opts: Options, home: str, parquet_dir: str) -> tuple[int, int]:
     return total_rows, nbytes
 
 
+def read_batch(rows: int) -> pa.RecordBatch:
+    """``rows`` rows exactly as persist's reader hands them to Spark (the no-I/O peer's batch)."""
+    from pyspark_persist.schema import output_arrow_schema, read_schema
+
+    table = generate(rows, 0)
+    table = table.append_column("_time", pa.repeat(pa.scalar(1, pa.int64()), rows))
+    table = table.append_column("_diff", pa.repeat(pa.scalar(1, pa.int64()), rows))
+    return table.cast(output_arrow_schema(read_schema(SCHEMA))).combine_chunks().to_batches()[0]
+
+
 def _scan_seconds(df: Any, repeat: int) -> float:
-    """Best of ``repeat`` full scans (after a warm-up)."""
-    df.selectExpr("sum(id)", "sum(length(s))").collect()
+    """Best of ``repeat`` full scans (after a warm-up), every column read."""
+    df.selectExpr("sum(id)", "sum(x)", "sum(length(s))").collect()
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        df.selectExpr("sum(id)", "sum(length(s))").collect()
+        df.selectExpr("sum(id)", "sum(x)", "sum(length(s))").collect()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -167,14 +184,24 @@ def run(opts: Options) -> dict[str, Any]:
             pdf = spark.read.parquet(parquet_dir)
             s = _scan_seconds(pdf, opts.repeat)
             timings.append(Timing("spark parquet", pdf.rdd.getNumPartitions(), s, mib / s))
+            from pyspark_persist.benchmarks.ceiling import NO_IO, no_io_source
+            from pyspark_persist.schema import read_schema
+
+            spark.dataSource.register(
+                no_io_source(read_schema(SCHEMA), nrows, opts.cores, read_batch)
+            )
+            ndf = spark.read.format(NO_IO).load()
+            s = _scan_seconds(ndf, opts.repeat)
+            timings.append(Timing(CEILING, ndf.rdd.getNumPartitions(), s, mib / s))
         finally:
             spark.stop()
     finally:
         if opts.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    one, two, parquet = timings
+    one, two, parquet, ceiling = timings
     split = one.seconds / two.seconds
-    vs_parquet = parquet.seconds / two.seconds
+    vs_parquet = parquet.seconds / min(one.seconds, two.seconds)
+    ceiling_vs_parquet = parquet.seconds / ceiling.seconds
     return {
         "options": asdict(opts),
         "rows": nrows,
@@ -187,6 +214,8 @@ def run(opts: Options) -> dict[str, Any]:
         "persist_vs_parquet": round(vs_parquet, 3),
         "parquet_target": PARQUET_TARGET,
         "parquet_ok": vs_parquet >= PARQUET_TARGET,
+        "ceiling_vs_parquet": round(ceiling_vs_parquet, 3),
+        "persist_vs_ceiling": round(ceiling.seconds / min(one.seconds, two.seconds), 3),
     }
 
 
@@ -198,7 +227,7 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for t in report["timings"]:
         lines.append(
-            f"  {t['name']:<16} {t['partitions']:>3} partitions  {t['seconds']:8.2f} s  "
+            f"  {t['name']:<22} {t['partitions']:>3} partitions  {t['seconds']:8.2f} s  "
             f"{t['mib_per_s']:8.1f} MiB/s"
         )
     lines.append(
@@ -209,6 +238,16 @@ def format_report(report: dict[str, Any]) -> str:
         f"  persist / Spark Parquet: {report['persist_vs_parquet']:.2f}x "
         f"(target >= {PARQUET_TARGET}x: {'ok' if report['parquet_ok'] else 'MISSED'})"
     )
+    lines.append(
+        f"  Python Data Source ceiling (no I/O) / Spark Parquet: "
+        f"{report['ceiling_vs_parquet']:.2f}x; persist / that ceiling: "
+        f"{report['persist_vs_ceiling']:.2f}x"
+    )
+    if report["options"]["cores"] <= 2:
+        lines.append(
+            "  (with 1 partition per core every core is already busy: a 2-way split can add "
+            "overlap, not cores)"
+        )
     return "\n".join(lines)
 
 
