@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from pyspark_persist.cli import main
+from pyspark_persist.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

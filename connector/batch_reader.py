@@ -44,6 +44,7 @@ from pyspark_persist.stream_reader import PersistInputPartition, split_parts
 
 log = logging.getLogger(__name__)
 
+
 class ConsolidatingPartition(PersistInputPartition):
     """A task that must consolidate its parts (some hold retractions)."""
 

@@ -150,8 +150,7 @@ class HoldUpdater:
         self._since: int | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="persist-source-holds",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="persist-source-holds", daemon=True)
         self._thread.start()
 
     def request(self, since: int | None) -> None:
@@ -345,8 +344,12 @@ class LeaseHolder:
                 f"persist source, shard {self._opts.shard!r}: {what}. The data is gone; set "
                 "option failOnDataLoss=false to skip ahead to what is still readable"
             )
-        log.warning("shard %s: %s; failOnDataLoss=false: skipping ahead to %s",
-                    self._opts.shard, what, resume)
+        log.warning(
+            "shard %s: %s; failOnDataLoss=false: skipping ahead to %s",
+            self._opts.shard,
+            what,
+            resume,
+        )
         return resume
 
 
@@ -465,4 +468,3 @@ def read_partition(
     for table in iter_parts(blob_for(partition.blob_uri), parts):
         if table.num_rows:
             yield from table.select(target.names).cast(target).to_batches()
-

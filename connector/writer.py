@@ -163,7 +163,12 @@ def commit_staged(
     while True:
         t = max(upper, time.time_ns() // 1_000_000)
         result = writer.compare_and_append_batches(
-            staged, upper, t + 1, token=token, ts_rewrite=t, delete_on_mismatch=False,
+            staged,
+            upper,
+            t + 1,
+            token=token,
+            ts_rewrite=t,
+            delete_on_mismatch=False,
             replace=replace,
         )
         if not isinstance(result, UpperMismatch):

@@ -29,9 +29,8 @@ def main() -> int:
         reader = reader.option("asOf", args.as_of)
     df = reader.load(args.shard)
     as_of = df.select(F.max("_time")).first()[0]
-    rows = (
-        df.withColumn("_copy", F.explode(F.sequence(F.lit(1), F.col("_diff"))))
-        .drop("_copy", "_diff", "_time")
+    rows = df.withColumn("_copy", F.explode(F.sequence(F.lit(1), F.col("_diff")))).drop(
+        "_copy", "_diff", "_time"
     )
     rows.write.mode("overwrite").parquet(args.out)
     n = spark.read.parquet(args.out).count()

@@ -63,6 +63,9 @@ def follow(query: StreamingQuery, seconds: float, label: str) -> None:
         p = query.lastProgress
         if p is not None and p["batchId"] != seen:
             seen = p["batchId"]
-            print(f"[{label}] micro-batch {seen}: {p['numInputRows']} rows "
-                  f"({p.get('processedRowsPerSecond', 0.0):.0f} rows/s)", file=sys.stderr)
+            print(
+                f"[{label}] micro-batch {seen}: {p['numInputRows']} rows "
+                f"({p.get('processedRowsPerSecond', 0.0):.0f} rows/s)",
+                file=sys.stderr,
+            )
         time.sleep(0.25)

@@ -32,15 +32,19 @@ def main() -> int:
     checkpoints = os.path.join(default_home(), "checkpoints", args.shard)
 
     writer = (
-        spark.readStream.format("rate").option("rowsPerSecond", args.rows_per_second).load()
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", args.rows_per_second)
+        .load()
         .writeStream.format("persist")
         .option("checkpointLocation", os.path.join(checkpoints, "sink"))
         .trigger(processingTime="1 second")
         .start(args.shard)
     )
     wait_for_rows(writer, "sink")
-    print(f"writing shard {args.shard!r} under {default_home()} for {args.seconds:.0f} s",
-          file=sys.stderr)
+    print(
+        f"writing shard {args.shard!r} under {default_home()} for {args.seconds:.0f} s",
+        file=sys.stderr,
+    )
     follow(writer, args.seconds, "sink")
     stop(writer)
 
@@ -49,8 +53,10 @@ def main() -> int:
     distinct = got.select("value").distinct().count()
     low, high = got.selectExpr("min(value)", "max(value)").first()
     ok = rows == distinct and (rows == 0 or high - low + 1 == rows)
-    print(f"shard {args.shard!r}: {rows} rows, {distinct} distinct values "
-          f"[{low}, {high}]; exactly once: {ok}")
+    print(
+        f"shard {args.shard!r}: {rows} rows, {distinct} distinct values "
+        f"[{low}, {high}]; exactly once: {ok}"
+    )
     spark.stop()
     return 0 if ok else 1
 

@@ -85,8 +85,10 @@ def main() -> int:
 
     expected = reader.snapshot_table()
     exact = multiset(seen) == multiset([expected])
-    print(f"subscriber saw {sum(t.num_rows for t in seen)} updates; shard holds "
-          f"{expected.num_rows} rows at upper {shard.upper}; consolidated match: {exact}")
+    print(
+        f"subscriber saw {sum(t.num_rows for t in seen)} updates; shard holds "
+        f"{expected.num_rows} rows at upper {shard.upper}; consolidated match: {exact}"
+    )
     return 0 if exact else 1
 
 

@@ -38,13 +38,18 @@ def main() -> int:
     checkpoints = os.path.join(default_home(), "checkpoints", args.shard)
 
     counts = (
-        spark.readStream.format("rate").option("rowsPerSecond", 50).load()
-        .groupBy((F.col("value") % args.buckets).alias("bucket")).count()
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", 50)
+        .load()
+        .groupBy((F.col("value") % args.buckets).alias("bucket"))
+        .count()
     )
     writer = (
-        counts.writeStream.format("persist").outputMode("complete")
+        counts.writeStream.format("persist")
+        .outputMode("complete")
         .option("checkpointLocation", os.path.join(checkpoints, "aggregate"))
-        .trigger(processingTime="2 seconds").start(args.shard)
+        .trigger(processingTime="2 seconds")
+        .start(args.shard)
     )
     wait_for_rows(writer, "aggregate")  # the shard exists once a micro-batch committed
 
@@ -57,22 +62,29 @@ def main() -> int:
             for r in changes:
                 view[(r["bucket"], r["count"])] += r["_diff"]
             live = sorted(k for k, n in view.items() if n > 0)
-        print(f"[tail] micro-batch {batch_id}: {len(changes)} changes "
-              f"({sum(r['_diff'] < 0 for r in changes)} retractions); "
-              f"counts now {dict(live)}")
+        print(
+            f"[tail] micro-batch {batch_id}: {len(changes)} changes "
+            f"({sum(r['_diff'] < 0 for r in changes)} retractions); "
+            f"counts now {dict(live)}"
+        )
 
     tail = (
-        spark.readStream.format("persist").load(args.shard).writeStream.foreachBatch(fold)
+        spark.readStream.format("persist")
+        .load(args.shard)
+        .writeStream.foreachBatch(fold)
         .option("checkpointLocation", os.path.join(checkpoints, "tail"))
-        .trigger(processingTime="1 second").start()
+        .trigger(processingTime="1 second")
+        .start()
     )
     follow(writer, args.seconds, "aggregate")
     stop(writer)
     tail.processAllAvailable()
     stop(tail)
 
-    final = {(r["bucket"], r["count"]): r["_diff"]
-             for r in spark.read.format("persist").load(args.shard).collect()}
+    final = {
+        (r["bucket"], r["count"]): r["_diff"]
+        for r in spark.read.format("persist").load(args.shard).collect()
+    }
     with lock:
         consolidated = {k: n for k, n in view.items() if n != 0}
     ok = consolidated == final

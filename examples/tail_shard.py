@@ -24,7 +24,9 @@ def main() -> int:
     spark = session("persist: tail a shard")
     stream = spark.readStream.format("persist").load(args.shard)
     writer = (
-        stream.writeStream.format("console").option("truncate", "false").option("numRows", 20)
+        stream.writeStream.format("console")
+        .option("truncate", "false")
+        .option("numRows", 20)
         .option("checkpointLocation", tempfile.mkdtemp(prefix="tail-"))
     )
     if args.available_now:

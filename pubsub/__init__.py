@@ -124,7 +124,10 @@ def connect(
         with open(tls_ca, "rb") as f:
             ca = f.read()
     return GrpcPublisher(
-        address, consensus_uri, tls=tls, tls_ca=ca,
+        address,
+        consensus_uri,
+        tls=tls,
+        tls_ca=ca,
         token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
     )
 
@@ -162,7 +165,10 @@ def serve(
     from .server import serve as _serve
 
     return _serve(
-        host, port, tls_cert=tls_cert, tls_key=tls_key,
+        host,
+        port,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
         token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
         allow_remote=allow_remote,
     )

@@ -17,7 +17,8 @@ from .server import DEFAULT_HOST, DEFAULT_PORT
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """``--host``, ``--port``, TLS, token and ``--allow-remote`` of ``pubsub serve``."""
     parser.add_argument(
-        "--host", default=DEFAULT_HOST,
+        "--host",
+        default=DEFAULT_HOST,
         help=f"address to bind (default {DEFAULT_HOST}: this machine only)",
     )
     parser.add_argument(
@@ -26,12 +27,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument(
-        "--token", default=None,
+        "--token",
+        default=None,
         help="shared token every client must send (default $PERSIST_PUBSUB_TOKEN); "
         "prefer the environment variable, a flag shows in the process list",
     )
     parser.add_argument(
-        "--allow-remote", action="store_true",
+        "--allow-remote",
+        action="store_true",
         help="allow binding a non-loopback address (use TLS and a token)",
     )
 
@@ -45,8 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.required = True
     add_serve_arguments(sub.add_parser("serve", help="serve PubSub until interrupted"))
     ns = parser.parse_args(argv)
-    return serve(ns.host, ns.port, tls_cert=ns.tls_cert, tls_key=ns.tls_key, token=ns.token,
-                 allow_remote=ns.allow_remote)
+    return serve(
+        ns.host,
+        ns.port,
+        tls_cert=ns.tls_cert,
+        tls_key=ns.tls_key,
+        token=ns.token,
+        allow_remote=ns.allow_remote,
+    )
 
 
 if __name__ == "__main__":

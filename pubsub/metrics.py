@@ -57,9 +57,7 @@ class PubSubMetrics:
     def snapshot(self) -> dict[str, float]:
         """The counters, plus ``latency_p50_ms``/``latency_p95_ms`` over recent applies."""
         with self._lock:
-            out: dict[str, float] = {
-                k: v for k, v in vars(self).items() if not k.startswith("_")
-            }
+            out: dict[str, float] = {k: v for k, v in vars(self).items() if not k.startswith("_")}
             lat = sorted(self._latency_ms)
         out["latency_samples"] = len(lat)
         out["latency_p50_ms"] = _pct(lat, 0.50)

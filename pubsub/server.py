@@ -99,10 +99,12 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
     ) -> AsyncIterator[pb.ProtoPubSubMessage]:
         if not self._server.authorized(context.invocation_metadata()):
             self._server.counters["rejected"] += 1
-            log.warning("pubsub server: rejected a stream from %s: missing or wrong token",
-                        context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "persist pubsub: missing or wrong token")
+            log.warning(
+                "pubsub server: rejected a stream from %s: missing or wrong token", context.peer()
+            )
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "persist pubsub: missing or wrong token"
+            )
             return
         conn = _Conn(str(context.peer()))
         self._server.counters["connections"] += 1
@@ -316,8 +318,9 @@ def serve(
             cert = f.read()
         with open(tls_key, "rb") as f:
             key = f.read()
-    server = PubSubServer(host, port, tls_cert=cert, tls_key=key, token=token,
-                          allow_remote=allow_remote).start()
+    server = PubSubServer(
+        host, port, tls_cert=cert, tls_key=key, token=token, allow_remote=allow_remote
+    ).start()
     extras = (" with TLS" if cert else "") + (" requiring a token" if token else "")
     print(f"persist pubsub: serving on {server.address}{extras} (Ctrl-C to stop)", flush=True)
     done = threading.Event()

@@ -262,9 +262,7 @@ def compare_and_downgrade_since(
     return Apply(b.build(), CriticalSince(ok=True, current=updated))
 
 
-def apply_merge(
-    state: ShardState, *, replaced: tuple[Batch, ...], merged: Batch
-) -> Outcome[bool]:
+def apply_merge(state: ShardState, *, replaced: tuple[Batch, ...], merged: Batch) -> Outcome[bool]:
     """Swap a run of batches for their compacted merge, iff they are all still in state as read.
 
     Refuses (False) when a write or another compaction changed any of them:

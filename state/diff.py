@@ -74,9 +74,7 @@ class DiffBuilder:
     @property
     def is_empty(self) -> bool:
         """True when the command changed nothing (no Consensus write is needed)."""
-        return not self._scalars and not any(self._puts.values()) and not any(
-            self._dels.values()
-        )
+        return not self._scalars and not any(self._puts.values()) and not any(self._dels.values())
 
     def build(self) -> StateDiff:
         """The diff from the builder's state to its next SeqNo."""
@@ -87,8 +85,7 @@ class DiffBuilder:
             to_seqno=self._state.seqno + 1,
             scalars=dict(self._scalars),
             maps={
-                n: (dict(self._puts.get(n, {})), frozenset(self._dels.get(n, set())))
-                for n in names
+                n: (dict(self._puts.get(n, {})), frozenset(self._dels.get(n, set()))) for n in names
             },
         )
 

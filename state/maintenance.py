@@ -143,9 +143,7 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
     table = pa.concat_tables(tables) if tables else None
     # Compaction output always goes to Blob: it is what moves inline writes out of state.
-    builder = BatchBuilder(
-        machine.blob, state.shard_id, schema, machine.config, allow_inline=False
-    )
+    builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config, allow_inline=False)
     rows_out = 0
     if table is not None and table.num_rows:
         times = pc.max_element_wise(table.column(TIME), pa.scalar(since, TIME_TYPE))
@@ -236,7 +234,12 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         orphans = _sweep_orphans(machine, live | keep, rollup_at, set(current.rollups), now)
     log.debug(
         "shard %s: gc to SeqNo %s deleted %s parts, %s rollups, %s rows, %s orphans",
-        shard, seqno_since, len(garbage), len(removed), truncated, orphans,
+        shard,
+        seqno_since,
+        len(garbage),
+        len(removed),
+        truncated,
+        orphans,
     )
     return GcReport(seqno_since, len(garbage), len(removed), truncated, orphans, expired)
 
@@ -445,5 +448,9 @@ class Maintenance:
             try:
                 reader.heartbeat()
             except PersistError as e:
-                log.info("reader %s of shard %s: heartbeat failed: %s", reader.reader_id,
-                         reader.shard_id, e)
+                log.info(
+                    "reader %s of shard %s: heartbeat failed: %s",
+                    reader.reader_id,
+                    reader.shard_id,
+                    e,
+                )

@@ -42,9 +42,7 @@ MAX_TIME = 2**64 - 1
 def validate_schema(schema: pa.Schema) -> pa.Schema:
     """Check a user schema for shard creation: at least one column, no reserved names."""
     if not isinstance(schema, pa.Schema):
-        raise InvalidUsage(
-            f"a shard schema must be a pyarrow.Schema, got {type(schema).__name__}"
-        )
+        raise InvalidUsage(f"a shard schema must be a pyarrow.Schema, got {type(schema).__name__}")
     if len(schema) == 0:
         raise InvalidUsage("a shard schema needs at least one column")
     clash = [n for n in schema.names if n in RESERVED]
@@ -95,7 +93,9 @@ def schema_mismatch_message(shard: str, expected: pa.Schema, actual: pa.Schema) 
         f"column {f.name!r} is {'nullable' if f.nullable else 'non-nullable'}, the shard's is "
         f"{'nullable' if exp_null[f.name] else 'non-nullable'}"
         for f in actual
-        if f.name in exp_null and f.name in exp and exp[f.name] == f.type
+        if f.name in exp_null
+        and f.name in exp
+        and exp[f.name] == f.type
         and exp_null[f.name] != f.nullable
     ]
     if not problems and expected.names != actual.names:
@@ -194,8 +194,14 @@ def part_ref(
     tmin, tmax = time_bounds(table)
     dmin, dmax = _bounds(table.column(DIFF), table.num_rows)
     return PartRef(
-        key, inline, size, table.num_rows, tmin, tmax,
-        dmin=dmin, dmax=dmax,
+        key,
+        inline,
+        size,
+        table.num_rows,
+        tmin,
+        tmax,
+        dmin=dmin,
+        dmax=dmax,
         stats=column_stats(table) if key is not None else None,
         crc=crc,
     )
@@ -215,8 +221,12 @@ def column_stats(table: pa.Table) -> dict[str, tuple[Any, Any]]:
         if f.name in RESERVED:
             continue
         t = f.type
-        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_string(t)
-                or pa.types.is_large_string(t)):
+        if not (
+            pa.types.is_integer(t)
+            or pa.types.is_floating(t)
+            or pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+        ):
             continue
         col = table.column(f.name)
         if col.null_count == len(col):

@@ -253,9 +253,7 @@ class ReadHandle:
         if self._expired:
             return
         self._expired = True
-        self._machine.run(
-            lambda s: commands.expire_leased_readers(s, reader_ids=(self.reader_id,))
-        )
+        self._machine.run(lambda s: commands.expire_leased_readers(s, reader_ids=(self.reader_id,)))
 
     def __enter__(self) -> ReadHandle:
         return self

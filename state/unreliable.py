@@ -238,9 +238,7 @@ class UnreliableConsensus(_Unreliable, Consensus):
         """The inner ``head``, possibly failing first."""
         return self._injector.call("consensus", "head", key, lambda: self.inner.head(key))
 
-    def compare_and_set(
-        self, key: str, expected: SeqNo | None, new: VersionedData
-    ) -> CaSResult:
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
         """The inner ``compare_and_set``, possibly failing first or losing its reply."""
         return self._injector.call(
             "consensus",

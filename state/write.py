@@ -167,11 +167,7 @@ class BatchBuilder:
         if self._buffer:
             table = self._take_buffer()
             inline = encode_inline(table) if self._allow_inline and not self._pending else None
-            if (
-                inline is not None
-                and not self._done
-                and len(inline) <= self._inline_limit
-            ):
+            if inline is not None and not self._done and len(inline) <= self._inline_limit:
                 self._done.append(part_ref(table, None, inline, len(inline)))
             else:
                 self._submit(table)
@@ -296,7 +292,10 @@ class WriteHandle:
         """
         cfg = self._machine.config
         return BatchBuilder(
-            self._machine.blob, self.shard_id, self.schema, cfg,
+            self._machine.blob,
+            self.shard_id,
+            self.schema,
+            cfg,
             inline_budget=cfg.inline_total_max_bytes - self._machine.state().inline_bytes,
         )
 

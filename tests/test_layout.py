@@ -1,29 +1,74 @@
-"""The promised layering: state never imports Spark, pubsub never imports the connector."""
+"""The promised layering: state <- pubsub <- connector <- tools, and no Spark below the connector.
+
+Each layer may import only the layers to its left: ``state`` imports no other
+part of pyspark_persist and never Spark; ``pubsub`` imports ``state`` only;
+the connector (the package root, ``pyspark_persist``) never imports ``tools``.
+Checked by importing every module of a layer in a fresh interpreter and
+looking at what got loaded.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import pytest
+
 CHECK = """
-import importlib, pkgutil, sys
-import pyspark_persist.state as state, pyspark_persist.pubsub as pubsub
-for pkg in (state, pubsub):
-    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-        importlib.import_module(m.name)
-spark = sorted(n for n in sys.modules if n == "pyspark" or n.startswith("pyspark."))
-connector = sorted(
+import importlib, json, pkgutil, sys
+root = sys.argv[1]
+pkg = importlib.import_module(root)
+mods = [root]
+if hasattr(pkg, "__path__"):
+    for m in pkgutil.walk_packages(pkg.__path__, root + "."):
+        if root == "pyspark_persist" and m.name.startswith(
+            ("pyspark_persist.state", "pyspark_persist.pubsub", "pyspark_persist.tools")
+        ):
+            continue
+        if m.name == "pyspark_persist.__main__":
+            continue  # the console entry point: it runs the CLI in tools by design
+        mods.append(m.name)
+for name in mods:
+    importlib.import_module(name)
+print(json.dumps(sorted(
     n for n in sys.modules
-    if n.startswith("pyspark_persist.")
-    and not n.startswith(("pyspark_persist.state", "pyspark_persist.pubsub"))
-)
-print(spark, connector)
+    if n == "pyspark" or n.startswith(("pyspark.", "pyspark_persist"))
+)))
 """
 
 
-def test_state_and_pubsub_import_neither_spark_nor_the_connector() -> None:
-    """Importing every module of state/ and pubsub/ loads no pyspark and no connector module."""
+def _loaded(root: str) -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", CHECK, root],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
-    assert out.stdout.strip() == "[] []", out.stdout + out.stderr
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _layer(module: str) -> str:
+    if module == "pyspark" or module.startswith("pyspark."):
+        return "spark"
+    for layer in ("state", "pubsub", "tools"):
+        if module == f"pyspark_persist.{layer}" or module.startswith(f"pyspark_persist.{layer}."):
+            return layer
+    return "connector"
+
+
+ALLOWED = {
+    "pyspark_persist.state": {"state"},
+    "pyspark_persist.pubsub": {"state", "pubsub"},
+    "pyspark_persist": {"state", "pubsub", "connector", "spark"},
+}
+
+
+@pytest.mark.parametrize("root", sorted(ALLOWED))
+def test_layer_imports_only_the_layers_below(root: str) -> None:
+    """Importing every module of a layer loads nothing from a layer above it (nor Spark below
+    the connector)."""
+    loaded = _loaded(root)
+    bad = sorted(m for m in loaded if _layer(m) not in ALLOWED[root] and m != "pyspark_persist")
+    assert bad == [], f"{root} pulls in {bad}"

@@ -102,6 +102,4 @@ def open_blob(uri: str) -> Blob:
         from .mem import MemBlob
 
         return MemBlob.from_uri(uri)
-    raise InvalidUri(
-        f"unknown blob scheme {scheme!r} in {uri!r}: use file://, s3:// or mem://"
-    )
+    raise InvalidUri(f"unknown blob scheme {scheme!r} in {uri!r}: use file://, s3:// or mem://")

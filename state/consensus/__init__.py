@@ -78,9 +78,7 @@ class Consensus(ABC):
         """Return the newest row for ``key`` or ``None`` if it has none."""
 
     @abstractmethod
-    def compare_and_set(
-        self, key: str, expected: SeqNo | None, new: VersionedData
-    ) -> CaSResult:
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
         """Append ``new`` iff the head SeqNo is ``expected``; one atomic step.
 
         Raises InvalidUsage when ``new.seqno != (expected or 0) + 1``.

@@ -94,9 +94,7 @@ class MemConsensus(Consensus):
             rows = self._store.rows.get(key)
             return rows[-1] if rows else None
 
-    def compare_and_set(
-        self, key: str, expected: SeqNo | None, new: VersionedData
-    ) -> CaSResult:
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
         """Append ``new`` iff the head SeqNo is ``expected``, under the store's lock."""
         check_cas_args(expected, new)
         with self._store.lock:

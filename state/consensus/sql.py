@@ -246,9 +246,7 @@ class SqlConsensus(Consensus):
 
         return self._run(work, write=False, what=f"reading the head of {key!r}")
 
-    def compare_and_set(
-        self, key: str, expected: SeqNo | None, new: VersionedData
-    ) -> CaSResult:
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
         """Append ``new`` iff the head SeqNo is ``expected``: one conditional INSERT.
 
         The current head is read (a second query) only when the INSERT lost.

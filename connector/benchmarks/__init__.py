@@ -1,1 +1,0 @@
-"""Benchmarks of persist itself (no Spark): see :mod:`pyspark_persist.benchmarks.core`."""

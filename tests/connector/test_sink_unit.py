@@ -1,0 +1,165 @@
+"""The stream writer's exactly-once logic through its Python objects, without Spark.
+
+Spark builds a new ``PersistStreamWriter`` for every micro-batch commit and
+calls ``write`` on executors and ``commit``/``abort`` on the driver; these
+tests make the same calls directly, so replays, new queries, abort and the
+times the sink assigns are checked in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+from pyspark_persist.options import PersistOptions
+from pyspark_persist.state import AlreadyCommitted, Committed, PersistClient
+from pyspark_persist.writer import (
+    METRICS_FILE,
+    PersistCommitMessage,
+    PersistStreamWriter,
+    read_sink_metrics,
+)
+
+SCHEMA = StructType([StructField("id", LongType()), StructField("name", StringType())])
+METRIC_KEYS = {
+    "batch_id",
+    "outcome",
+    "rows",
+    "size_bytes",
+    "parts",
+    "queued_s",
+    "upload_s",
+    "commit_s",
+    "upper",
+}
+
+
+def _checkpoint(root: Path, query_id: str) -> Path:
+    """A checkpoint directory as Spark leaves it: ``metadata`` holds the query id."""
+    root.mkdir(parents=True)
+    (root / "metadata").write_text(json.dumps({"id": query_id}) + "\n")
+    return root
+
+
+def _writer(shard: str, checkpoint: Path, overwrite: bool = False) -> PersistStreamWriter:
+    """What Spark's ``streamWriter(schema, overwrite)`` returns for one micro-batch."""
+    opts = PersistOptions.parse(
+        {"path": shard, "checkpointLocation": str(checkpoint)}, "stream_write"
+    )
+    return PersistStreamWriter(opts, SCHEMA, overwrite)
+
+
+def _stage(writer: PersistStreamWriter, ids: range) -> PersistCommitMessage:
+    """One task's ``write()``: Arrow batches in, a commit message out."""
+    rb = pa.RecordBatch.from_pydict(
+        {"id": pa.array(list(ids), pa.int64()), "name": [f"n{i}" for i in ids]}
+    )
+    return writer.write(iter([rb]))
+
+
+def _ids(shard: str) -> list[int]:
+    table = PersistClient.open().open_shard(shard, create=False).reader().snapshot_table()
+    assert set(table.column("_diff").to_pylist()) <= {1}
+    return sorted(table.column("id").to_pylist())
+
+
+def test_replayed_batch_is_already_committed_and_applied_once(tmp_path: Path) -> None:
+    """A micro-batch committed twice (crash after commit, Spark replays it) lands once.
+
+    Protects: token = batchId under the checkpoint's query id, and the metrics
+    file (one line per commit, every figure present, the replay marked).
+    """
+    shard = f"replay-{uuid.uuid4().hex[:8]}"
+    ckpt = _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+    first = _writer(shard, ckpt)
+    first.commit([_stage(first, range(0, 10)), _stage(first, range(10, 20))], 0)
+    # Spark's replay after a crash: a new writer object, the same rows staged anew.
+    replay = _writer(shard, ckpt)
+    replay.commit([_stage(replay, range(0, 10)), _stage(replay, range(10, 20))], 0)
+    nxt = _writer(shard, ckpt)
+    nxt.commit([_stage(nxt, range(20, 25)), None], 1)
+
+    assert _ids(shard) == list(range(25))
+    metrics = read_sink_metrics(str(ckpt))
+    assert [(m["batch_id"], m["outcome"]) for m in metrics] == [
+        (0, "committed"),
+        (0, "already committed"),
+        (1, "committed"),
+    ]
+    assert all(METRIC_KEYS <= m.keys() for m in metrics)
+    assert [(m["rows"], m["parts"], m["tasks"]) for m in metrics] == [(20, 2, 2)] * 2 + [(5, 1, 1)]
+    assert all(m["size_bytes"] > 0 and m["commit_s"] >= 0 for m in metrics)
+    assert metrics[0]["upper"] == metrics[1]["upper"] < metrics[2]["upper"]
+    lines = (ckpt / METRICS_FILE).read_text().splitlines()
+    assert len(lines) == 3
+
+
+def test_new_checkpoint_is_a_new_writer_and_its_batch_0_is_written(tmp_path: Path) -> None:
+    """A second query (other checkpoint) on the same shard is not mistaken for a replay."""
+    shard = f"twoq-{uuid.uuid4().hex[:8]}"
+    a = _writer(shard, _checkpoint(tmp_path / "a", str(uuid.uuid4())))
+    a.commit([_stage(a, range(0, 5))], 0)
+    ckpt_b = _checkpoint(tmp_path / "b", str(uuid.uuid4()))
+    b = _writer(shard, ckpt_b)
+    b.commit([_stage(b, range(100, 105))], 0)
+
+    assert _ids(shard) == [*range(5), *range(100, 105)]
+    assert [m["outcome"] for m in read_sink_metrics(str(ckpt_b))] == ["committed"]
+    writers = PersistClient.open().open_shard(shard, create=False).state().writers
+    assert len(writers) == 2
+
+
+def test_abort_deletes_staged_parts(tmp_path: Path) -> None:
+    """``abort`` removes what the tasks staged, and nothing becomes visible."""
+    shard = f"abort-{uuid.uuid4().hex[:8]}"
+    ckpt = _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+    w = _writer(shard, ckpt)
+    w.commit([_stage(w, range(3))], 0)
+    client = PersistClient.open()
+    before = {m.key for m in client.blob.list_keys(f"{shard}/part/")}
+    w2 = _writer(shard, ckpt)
+    msgs = [_stage(w2, range(10, 20)), _stage(w2, range(20, 30))]
+    assert len({m.key for m in client.blob.list_keys(f"{shard}/part/")} - before) == 2
+    w2.abort(msgs, 1)
+    assert {m.key for m in client.blob.list_keys(f"{shard}/part/")} == before
+    assert _ids(shard) == [0, 1, 2]
+
+
+def test_commit_times_at_or_after_upper_and_wall_clock(tmp_path: Path) -> None:
+    """The time a micro-batch gets is >= the shard's upper and never behind wall-clock ms.
+
+    Protects: reads ``asOf`` a wall-clock time see what was committed before
+    it, and a shard whose upper runs ahead of the clock still accepts commits.
+    """
+    shard = f"times-{uuid.uuid4().hex[:8]}"
+    ckpt = _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+    w = _writer(shard, ckpt)
+    msg = _stage(w, range(4))
+    before_ms = time.time_ns() // 1_000_000
+    w.commit([msg], 0)
+    after_ms = time.time_ns() // 1_000_000
+    handle = PersistClient.open().open_shard(shard, create=False)
+    t0 = set(handle.reader().snapshot_table().column("_time").to_pylist())
+    assert len(t0) == 1
+    (t,) = t0
+    assert before_ms <= t <= after_ms
+    assert handle.upper == t + 1
+
+    # Another writer moves the upper an hour ahead of the clock: the next batch goes after it.
+    ahead = after_ms + 3_600_000
+    other = handle.writer()
+    res = other.compare_and_append(
+        pa.table({"id": pa.array([999], pa.int64()), "name": ["x"]}), handle.upper, ahead
+    )
+    assert isinstance(res, Committed | AlreadyCommitted)
+    w2 = _writer(shard, ckpt)
+    w2.commit([_stage(w2, range(10, 12))], 1)
+    table = handle.reader().snapshot_table()
+    times = {r["id"]: r["_time"] for r in table.select(["id", "_time"]).to_pylist()}
+    assert times[10] == times[11] == ahead
+    assert handle.upper == ahead + 1

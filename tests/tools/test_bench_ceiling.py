@@ -1,0 +1,60 @@
+"""The Spark benchmarks' do-nothing peers really move the rows they are timed on.
+
+A ceiling that read fewer rows than persist, or a sink that never saw its
+input, would make the comparison meaningless; these check both in the shared
+session.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import SparkSession
+
+from pyspark_persist.schema import read_schema
+from pyspark_persist.tools.bench.ceiling import (
+    DISCARD,
+    NO_IO,
+    DiscardSink,
+    NoIOReader,
+    no_io_source,
+)
+from pyspark_persist.tools.bench.spark_read import SCHEMA, read_batch
+
+
+def test_no_io_source_yields_exactly_the_rows_asked_for(spark: SparkSession) -> None:
+    """An odd row count over 3 tasks, in persist's read schema, all columns filled."""
+    rows = 100_000 + 7  # not a multiple of the batch size: the last slice is cut
+    spark.dataSource.register(no_io_source(read_schema(SCHEMA), rows, 3, read_batch))
+    df = spark.read.format(NO_IO).load()
+    assert df.rdd.getNumPartitions() == 3
+    assert df.schema == read_schema(SCHEMA)
+    (total,) = df.selectExpr("count(*)", "count(s)", "sum(_diff)").collect()
+    assert tuple(total) == (rows, rows, rows)
+
+
+def test_no_io_partitions_split_the_rows_evenly() -> None:
+    """The shares differ by at most one row and add up to the total."""
+    reader = NoIOReader(read_schema(SCHEMA), 10, 4, read_batch)
+    assert [p.rows for p in reader.partitions()] == [3, 3, 2, 2]
+
+
+def test_discard_writer_drains_its_task_input() -> None:
+    """A task's every batch is pulled from Spark (so the transfer is timed in full)."""
+    import pyarrow as pa
+
+    from pyspark_persist.tools.bench.ceiling import DiscardWriter
+
+    pulled = []
+
+    def batches() -> object:
+        for i in range(5):
+            pulled.append(i)
+            yield pa.record_batch({"id": list(range(i * 10, i * 10 + 10))})
+
+    DiscardWriter().write(batches())  # type: ignore[arg-type]
+    assert pulled == [0, 1, 2, 3, 4]
+
+
+def test_discard_sink_runs_a_spark_write(spark: SparkSession) -> None:
+    """``df.write.format(DISCARD)`` runs to the end in Spark."""
+    spark.dataSource.register(DiscardSink)
+    spark.range(0, 5000, numPartitions=2).write.format(DISCARD).mode("append").save()

@@ -1,0 +1,129 @@
+"""Smoke test of ``persist bench all`` (:mod:`pyspark_persist.tools.bench.report`).
+
+Runs the whole report at ``--quick`` sizes without Spark and checks its shape:
+every section header, a table of positive figures in each section that ran,
+Spark reported as not run, a real PNG. No timed assertions: targets are for
+people reading a full run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deltalake")
+pytest.importorskip("matplotlib")
+
+from pyspark_persist.tools.bench import report  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURE = re.compile(r"^(-?[\d,]+(?:\.\d+)?(?:e[-+]?\d+)?|inf) ?(.*)$")
+
+
+def _sections(md: str) -> dict[str, str]:
+    """Section title -> its Markdown body."""
+    parts = re.split(r"^## (.+)$", md, flags=re.MULTILINE)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def _table(body: str) -> list[list[str]]:
+    """The cells of every data row of the first table in ``body``."""
+    rows = [line for line in body.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in rows[2:]]
+
+
+def _figure(cell: str) -> tuple[float, str]:
+    m = FIGURE.match(cell)
+    assert m, f"not a figure: {cell!r}"
+    return float(m.group(1).replace(",", "")), m.group(2)
+
+
+@pytest.mark.slow
+def test_bench_all_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole report runs in one go and writes report.md, report.png and report.json."""
+    out = tmp_path / "report"
+    status = report.main(["--quick", "--skip-spark", "--out", str(out), "--workdir", str(tmp_path)])
+    assert status == 0, capsys.readouterr().err
+
+    md = (out / "report.md").read_text()
+    assert md.startswith("# persist benchmark report")
+    assert re.search(r"\d+ CPUs .*RAM.*Python 3\.\d+.*pyarrow .*pyspark .*deltalake ", md)
+
+    sections = _sections(md)
+    assert list(sections) == list(report.TITLES.values())
+    spark = sections[report.TITLES["spark"]]
+    assert "**not run**" in spark and "--skip-spark" in spark
+
+    for key in ("core", "delta", "pubsub", "maintenance"):
+        body = sections[report.TITLES[key]]
+        rows = _table(body)
+        assert rows, f"section {key} has no table:\n{body}"
+        for cells in rows:
+            assert len(cells) == 7, cells
+            value, unit = _figure(cells[1])
+            assert math.isfinite(value) and value >= 0, cells
+            if unit != "reads/s":  # a push-woken idle listener may well make no reads
+                assert value > 0, cells
+            if cells[2] != "-":
+                peer, _ = _figure(cells[3])
+                assert peer >= 0, cells
+    core_rows = {c[0].split(" (")[0]: c for c in _table(sections[report.TITLES["core"]])}
+    assert "small write p50, file/sqlite" in core_rows
+    assert any(k.startswith("write goodput") for k in core_rows)
+    delta_rows = {c[0]: c for c in _table(sections[report.TITLES["delta"]])}
+    assert delta_rows["one-row append p50"][2] == "Delta one-row append"
+    assert any(c[2] == "Delta scan" for c in delta_rows.values())
+
+    png = (out / "report.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+    data = json.loads((out / "report.json").read_text())
+    assert [s["key"] for s in data["sections"]] == list(report.TITLES)
+
+    stdout = capsys.readouterr().out
+    assert "| metric | persist | peer |" in stdout
+
+
+def test_spark_rows_pair_persist_with_spark_parquet() -> None:
+    """The Spark section puts persist's figures next to Spark Parquet's, with targets judged,
+    and the API's own ceiling and floor beside them as unjudged scale rows."""
+    from pyspark_persist.tools.bench.report import spark_rows
+
+    write = {
+        "size_mib": 256.0,
+        "write": [
+            {"writer": "persist", "rows": 10, "mib_per_s": 40.0},
+            {"writer": "parquet", "rows": 10, "mib_per_s": 80.0},
+            {"writer": "discard", "rows": 10, "mib_per_s": 90.0},
+        ],
+        "latency": [
+            {"pipeline": "rate -> persist sink -> persist source", "p50_ms": 300.0, "p95_ms": 5e2},
+            {"pipeline": "rate -> parquet sink -> parquet source", "p50_ms": 900.0, "p95_ms": 1e3},
+            {"pipeline": "rate -> foreachBatch (floor)", "p50_ms": 550.0, "p95_ms": 7e2},
+        ],
+    }
+    rows = spark_rows("spark_write", write)
+    assert [(r.persist, r.peer_value, r.met) for r in rows] == [
+        (40.0, 80.0, False),
+        (90.0, 80.0, None),
+        (300.0, 900.0, True),
+        (500.0, 1e3, None),
+        (550.0, 900.0, None),
+    ]
+    assert all(r.note.startswith("not persist") for r in rows if r.metric.startswith("(scale)"))
+    read = {
+        "timings": [
+            {"name": "persist 1/core", "partitions": 2, "mib_per_s": 100.0},
+            {"name": "persist 2/core", "partitions": 4, "mib_per_s": 180.0},
+            {"name": "spark parquet", "partitions": 5, "mib_per_s": 150.0},
+            {"name": "python source, no I/O", "partitions": 2, "mib_per_s": 200.0},
+        ]
+    }
+    one, two, ceiling = spark_rows("spark_read", read)
+    assert (one.persist, one.peer_value, one.met) == (100.0, 150.0, True)
+    assert (two.persist, two.peer_value, two.met) == (180.0, 100.0, True)
+    assert (ceiling.persist, ceiling.peer_value, ceiling.met) == (200.0, 150.0, None)

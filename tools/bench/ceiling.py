@@ -1,0 +1,115 @@
+"""The ceilings of Spark's Python Data Source API, measured beside persist in the Spark benchmarks.
+
+A Python source's rows travel from the Python worker to the JVM as Arrow batches,
+where Spark turns them into rows one at a time; a Python sink's rows travel the other
+way. Those conversions are Spark's, and on a small machine they alone can cost more
+than Spark's own Parquet reader or writer spends in all. To tell persist's cost from
+the API's, the benchmarks run two do-nothing peers in the same Spark session:
+
+- ``persist-bench-no-io``: a source that yields ``rows`` rows of the read schema from
+  batches built once in memory (no fetch, no decode), over ``partitions`` tasks;
+- ``persist-bench-discard``: a sink whose tasks count the Arrow batches they receive
+  and keep nothing.
+
+Whatever these reach is the most any Python source or sink reaches on the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+NO_IO = "persist-bench-no-io"
+DISCARD = "persist-bench-discard"
+BATCH_ROWS = 65536
+"""Rows per yielded batch: what persist's reader yields (``iter_parts``' slice size)."""
+
+
+class NoIOPartition(InputPartition):
+    """One task's share of the rows."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+
+class NoIOReader(DataSourceReader):
+    """Yields the same in-memory batch over and over: only Spark's transfer costs."""
+
+    def __init__(
+        self,
+        schema: StructType,
+        rows: int,
+        partitions: int,
+        make_batch: Callable[[int], pa.RecordBatch],
+    ) -> None:
+        self._schema = schema
+        self._rows = rows
+        self._partitions = partitions
+        self._make_batch = make_batch
+
+    def partitions(self) -> list[NoIOPartition]:
+        """``rows`` spread evenly over ``partitions`` tasks."""
+        n = self._partitions
+        return [NoIOPartition(self._rows // n + (1 if i < self._rows % n else 0)) for i in range(n)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Build one batch, then yield it (its last slice at the end) until the share is out."""
+        assert isinstance(partition, NoIOPartition)
+        batch = self._make_batch(BATCH_ROWS)
+        left = partition.rows
+        while left > 0:
+            yield batch if left >= batch.num_rows else batch.slice(0, left)
+            left -= batch.num_rows
+
+
+def no_io_source(
+    struct: StructType, rows: int, partitions: int, make_batch: Callable[[int], pa.RecordBatch]
+) -> type[DataSource]:
+    """A source class named ``NO_IO`` that yields ``rows`` rows of ``make_batch`` batches.
+
+    ``make_batch(n)`` must return an ``n``-row batch exactly in Spark's Arrow form of
+    ``struct``. The class carries its settings, so registering it is all it takes.
+    """
+
+    class NoIOSource(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return NO_IO
+
+        def schema(self) -> StructType:
+            return struct
+
+        def reader(self, schema: StructType) -> DataSourceReader:
+            return NoIOReader(schema, rows, partitions, make_batch)
+
+    return NoIOSource
+
+
+class DiscardWriter(DataSourceArrowWriter):
+    """Receives every Arrow batch of its task and keeps nothing."""
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        """Drain the task's batches."""
+        for _ in iterator:
+            pass
+        return WriterCommitMessage()
+
+
+class DiscardSink(DataSource):
+    """``df.write.format(DISCARD)``: the cost of handing rows to a Python sink, alone."""
+
+    @classmethod
+    def name(cls) -> str:
+        return DISCARD
+
+    def writer(self, schema: StructType, overwrite: bool) -> DiscardWriter:
+        return DiscardWriter()

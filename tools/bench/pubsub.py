@@ -1,0 +1,355 @@
+"""The PubSub benchmark: write-to-listen latency and idle Consensus load, with and without push.
+
+Run it as ``python -m pyspark_persist.tools.bench.pubsub`` (``--json`` for
+machine-readable output, ``--quick`` for a smoke run). For each location
+(``file/postgres``, ``file/sqlite``) and each mode, in the same run:
+
+- **Write-to-listen latency**: a writer and a listener in separate clients
+  with separate state caches (as two processes would be), each with its own
+  publisher. The writer appends one row at random intervals; p50/p95 of the
+  time from the append returning (the commit) to the listener receiving it
+  (``commit->listen``), and from just before the append (``write->listen``,
+  which adds the append itself).
+- **Idle Consensus load**: 10 listeners (separate clients) waiting on a
+  shard nobody writes; Consensus reads per second they make between them.
+
+Modes: ``grpc`` (a :class:`~pyspark_persist.pubsub.server.PubSubServer` on
+loopback started by the benchmark), ``pg-notify`` (LISTEN/NOTIFY, PostgreSQL
+only) and ``polling`` (PubSub off). Targets: PubSub p50 commit->listen
+<= 5 ms and >= 20x lower than polling; idle reads >= 20x fewer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pyspark_persist import pubsub
+from pyspark_persist.pubsub.server import PubSubServer
+from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state.blob import open_blob
+from pyspark_persist.state.cache import StateCache
+from pyspark_persist.state.consensus import open_consensus
+
+POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+SCHEMA = pa.schema([("id", pa.int64())])
+LOCATIONS = ("file/postgres", "file/sqlite")
+IDLE_LISTENERS = 10
+TARGET_P50_MS = 5.0
+TARGET_RATIO = 20.0
+
+
+@dataclass
+class ModeResult:
+    """One location and mode."""
+
+    location: str
+    mode: str
+    samples: int
+    commit_p50_ms: float
+    commit_p95_ms: float
+    write_p50_ms: float
+    write_p95_ms: float
+    idle_reads_per_s: float
+    missed: int
+
+
+def _client(uris: tuple[str, str], spec: str | None) -> PersistClient:
+    cfg = PersistConfig(maintenance=False)
+    return PersistClient(
+        open_blob(uris[0]),
+        open_consensus(uris[1]),
+        config=cfg,
+        publisher=pubsub.connect(spec, uris[1]),
+        cache=StateCache(),
+    )
+
+
+def _close(client: PersistClient) -> None:
+    client.close()
+    close = getattr(client.publisher, "close", None)
+    if callable(close):
+        close()
+
+
+def _wait_healthy(client: PersistClient, shard: str, spec: str | None) -> None:
+    if spec is None:
+        return
+    shared = client.machine(shard).shared
+    deadline = time.monotonic() + 10
+    while not shared.push_healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def measure_latency(
+    uris: tuple[str, str], spec: str | None, samples: int, gap_ms: tuple[float, float], seed: int
+) -> tuple[list[float], list[float], int]:
+    """(commit->listen seconds, write->listen seconds, missed) for one mode."""
+    rng = random.Random(seed)
+    name = f"bench-pubsub-{uuid.uuid4().hex[:10]}"
+    wc, lc = _client(uris, spec), _client(uris, spec)
+    try:
+        wshard = wc.open_shard(name, SCHEMA)
+        writer = wshard.writer()
+        writer.append(pa.table({"id": [-1]}, schema=SCHEMA))
+        lshard = lc.open_shard(name)
+        reader = lshard.reader()
+        listen = reader.listen(reader.latest_as_of())
+        _wait_healthy(lc, name, spec)
+        _wait_healthy(wc, name, spec)
+        listen.next(timeout_s=0.2)  # catch-up read after subscribing
+        received: dict[int, float] = {}
+        cond = threading.Condition()
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                ev = listen.next(timeout_s=0.2)
+                now = time.perf_counter()
+                if ev is None or not ev.parts:
+                    continue
+                ids = reader.fetch(ev.parts).column("id").to_pylist()
+                with cond:
+                    for i in ids:
+                        received.setdefault(i, now)
+                    cond.notify_all()
+
+        t = threading.Thread(target=loop, daemon=True, name="bench-pubsub-listener")
+        t.start()
+        before: dict[int, float] = {}
+        after: dict[int, float] = {}
+        try:
+            for i in range(samples):
+                time.sleep(rng.uniform(*gap_ms) / 1e3)
+                before[i] = time.perf_counter()
+                writer.append(pa.table({"id": [i]}, schema=SCHEMA))
+                after[i] = time.perf_counter()
+                with cond:
+                    cond.wait_for(functools.partial(received.__contains__, i), 10)
+        finally:
+            stop.set()
+            t.join(timeout=5)
+        commit = [received[i] - after[i] for i in after if i in received]
+        write = [received[i] - before[i] for i in before if i in received]
+        return commit, write, samples - len(commit)
+    finally:
+        _close(wc)
+        _close(lc)
+
+
+def measure_idle(uris: tuple[str, str], spec: str | None, seconds: float) -> float:
+    """Consensus reads per second made by IDLE_LISTENERS listeners waiting on a quiet shard."""
+    name = f"bench-idle-{uuid.uuid4().hex[:10]}"
+    setup = _client(uris, None)
+    setup.open_shard(name, SCHEMA).writer().append(pa.table({"id": [0]}, schema=SCHEMA))
+    _close(setup)
+    clients = [_client(uris, spec) for _ in range(IDLE_LISTENERS)]
+    stop = threading.Event()
+    threads = []
+    try:
+        for c in clients:
+            shard = c.open_shard(name)
+            reader = shard.reader()
+            listen = reader.listen(reader.latest_as_of())
+            _wait_healthy(c, name, spec)
+
+            def loop(listen: Any = listen) -> None:
+                while not stop.is_set():
+                    listen.next(timeout_s=1.0)
+
+            t = threading.Thread(target=loop, daemon=True, name="bench-idle-listener")
+            t.start()
+            threads.append(t)
+        time.sleep(1.0)  # settle: catch-up reads after subscribing
+        start = sum(c.metrics.snapshot()["consensus_fetches"] for c in clients)
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        reads = sum(c.metrics.snapshot()["consensus_fetches"] for c in clients) - start
+        return reads / (time.monotonic() - t0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        for c in clients:
+            _close(c)
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) * 1e3 if values else float("nan")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every location and mode; return the results as a dict."""
+    results: list[ModeResult] = []
+    notes: list[str] = []
+    tmp = tempfile.mkdtemp(prefix="persist-bench-pubsub-")
+    server = PubSubServer("127.0.0.1", 0).start()
+    try:
+        for location in args.locations:
+            if location == "file/postgres":
+                try:
+                    open_consensus(args.postgres_url).close()
+                except Exception as e:  # noqa: BLE001 - skip with a note
+                    notes.append(f"skipped file/postgres: {str(e).splitlines()[0]}")
+                    continue
+            modes: list[tuple[str, str | None]] = [("grpc", server.address)]
+            if location == "file/postgres":
+                modes.append(("pg-notify", "postgres"))
+            modes.append(("polling", None))
+            for mode, spec in modes:
+                d = os.path.join(tmp, uuid.uuid4().hex[:8])
+                os.makedirs(d)
+                cons = args.postgres_url if location == "file/postgres" else f"sqlite:///{d}/c.db"
+                uris = (f"file://{d}/blob", cons)
+                if not args.json:
+                    print(f"... {location} {mode}", file=sys.stderr, flush=True)
+                commit, write, missed = measure_latency(
+                    uris, spec, args.samples, (args.gap_min_ms, args.gap_max_ms), args.seed
+                )
+                idle = measure_idle(uris, spec, args.idle_seconds)
+                results.append(
+                    ModeResult(
+                        location,
+                        mode,
+                        len(commit),
+                        _pct(commit, 50),
+                        _pct(commit, 95),
+                        _pct(write, 50),
+                        _pct(write, 95),
+                        idle,
+                        missed,
+                    )
+                )
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "results": [asdict(r) for r in results],
+        "verdicts": _verdicts(results),
+        "notes": notes,
+        "config": {
+            "samples": args.samples,
+            "gap_ms": [args.gap_min_ms, args.gap_max_ms],
+            "idle_seconds": args.idle_seconds,
+            "idle_listeners": IDLE_LISTENERS,
+            "cpus": os.cpu_count(),
+        },
+    }
+
+
+def _verdicts(results: list[ModeResult]) -> list[dict[str, Any]]:
+    out = []
+    for r in results:
+        if r.mode == "polling":
+            continue
+        base = next((p for p in results if p.location == r.location and p.mode == "polling"), None)
+        if base is None:
+            continue
+        lat_ratio = base.commit_p50_ms / r.commit_p50_ms if r.commit_p50_ms else float("inf")
+        idle_ratio = (
+            base.idle_reads_per_s / r.idle_reads_per_s if r.idle_reads_per_s else float("inf")
+        )
+        out.append(
+            {
+                "location": r.location,
+                "mode": r.mode,
+                "p50_ok": r.commit_p50_ms <= TARGET_P50_MS,
+                "latency_ratio": lat_ratio,
+                "latency_ratio_ok": lat_ratio >= TARGET_RATIO,
+                "idle_ratio": idle_ratio,
+                "idle_ratio_ok": idle_ratio >= TARGET_RATIO,
+            }
+        )
+    return out
+
+
+def _print(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(
+        f"persist bench pubsub  ({cfg['cpus']} cpus; {cfg['samples']} writes per mode, "
+        f"{cfg['gap_ms'][0]:.0f}-{cfg['gap_ms'][1]:.0f} ms apart; "
+        f"{cfg['idle_listeners']} idle listeners for {cfg['idle_seconds']:.0f} s)"
+    )
+    print()
+    print(
+        f"  {'location':<14}{'mode':<11}{'commit->listen p50':>19}{'p95':>10}"
+        f"{'write->listen p50':>19}{'p95':>10}{'idle reads/s':>14}"
+    )
+    for r in report["results"]:
+        print(
+            f"  {r['location']:<14}{r['mode']:<11}{r['commit_p50_ms']:>16.2f} ms"
+            f"{r['commit_p95_ms']:>7.2f} ms{r['write_p50_ms']:>16.2f} ms"
+            f"{r['write_p95_ms']:>7.2f} ms"
+            f"{r['idle_reads_per_s']:>14.2f}" + (f"  ({r['missed']} missed)" if r["missed"] else "")
+        )
+    print()
+    for v in report["verdicts"]:
+        print(
+            f"  {v['location']} {v['mode']}: p50 <= {TARGET_P50_MS:.0f} ms "
+            f"{'ok' if v['p50_ok'] else 'MISSED'}; {v['latency_ratio']:.1f}x lower than polling "
+            f"{'ok' if v['latency_ratio_ok'] else 'MISSED'} (>= {TARGET_RATIO:.0f}x); idle reads "
+            f"{v['idle_ratio']:.1f}x fewer {'ok' if v['idle_ratio_ok'] else 'MISSED'}"
+        )
+    for n in report["notes"]:
+        print(f"  note: {n}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by ``main`` and a future ``persist bench pubsub``)."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--locations",
+        type=lambda s: tuple(s.split(",")),
+        default=LOCATIONS,
+        help="comma-separated: file/postgres,file/sqlite",
+    )
+    parser.add_argument("--samples", type=int, default=60, help="writes per mode")
+    parser.add_argument("--gap-min-ms", type=float, default=50.0)
+    parser.add_argument("--gap-max-ms", type=float, default=250.0)
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--postgres-url", default=POSTGRES_URL)
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run with parsed flags; print the report; return the exit status."""
+    if ns.quick:
+        ns.samples, ns.idle_seconds = min(ns.samples, 15), min(ns.idle_seconds, 2.0)
+    report = run(ns)
+    if ns.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pyspark_persist.tools.bench.pubsub [--quick] [--json] [flags]``."""
+    parser = argparse.ArgumentParser(
+        prog="persist bench pubsub", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    add_arguments(parser)
+    with contextlib.suppress(KeyboardInterrupt):
+        return run_from_args(parser.parse_args(argv))
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

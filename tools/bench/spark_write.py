@@ -1,0 +1,435 @@
+"""The Spark benchmark of the persist sink: throughput next to Parquet, latency next to files.
+
+Run it as ``persist bench spark-write`` (or ``python -m
+pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
+``--json`` for machine-readable output). In one Spark application
+(``local[*]`` unless ``--master``) and one run it measures:
+
+- **Write throughput**: a DataFrame of ``--size-mib`` (default 1 GiB) of
+  rows ``(id int64, x double, s 32-char string)``, generated with
+  ``spark.range`` and expressions and cached (materialized before any clock
+  starts, so both writers see the same data), written once by
+  ``df.write.format("persist")`` into a fresh shard and once by Spark's
+  built-in Parquet writer (``df.write.parquet``), and by the ceiling of Spark's
+  Python Data Source API: a sink that receives the same rows and discards them
+  (``ceiling.py``; no Python sink can write faster). The three run in turn,
+  ROUNDS times (the first round also starts their workers), and each
+  writer's best round counts. Rows/s and
+  MiB/s of each (MiB = the rows' Arrow bytes, 52 a row) and the ratios.
+  Target: persist >= 1.0x Parquet.
+- **Write-to-visible latency** of a streaming pipeline: a rate-limited
+  ``rate`` source -> sink -> source of the same format -> ``foreachBatch`` on
+  the driver, which records ``now - the row's creation time`` (the rate
+  source's ``timestamp``, carried in the row) for every row it sees. Built
+  once on persist (persist sink -> persist source) and once on Spark's file
+  sink and file source (Parquet), run one after the other for the same
+  time; p50/p95 of each after a warm-up, and their ratio. Target: persist p50
+  <= 0.5x the file pipeline. Beside them, the floor of any such pipeline: the
+  rate source straight into ``foreachBatch`` (one query, no sink or source
+  between), and for every query the median of each micro-batch phase Spark
+  reports (``durationMs``: offset log, planning, the batch, commit log).
+
+Stores live in a fresh work directory (``--workdir`` to keep them): persist
+on ``file://`` Blob + ``sqlite://`` Consensus there, Parquet files beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pkgutil
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MiB = 1 << 20
+ROW_BYTES = 8 + 8 + 32 + 4
+"""Arrow bytes of one row: int64, float64, 32 bytes of string and its int32 offset."""
+THROUGHPUT_TARGET = 1.0
+ROUNDS = 3
+"""Interleaved rounds of the three writers; each writer's best round counts."""
+LATENCY_TARGET = 0.5
+
+
+@dataclass
+class WriteFigures:
+    """One writer's throughput."""
+
+    writer: str
+    rows: int
+    seconds: float
+    rows_per_s: float
+    mib_per_s: float
+
+
+@dataclass
+class LatencyFigures:
+    """One pipeline's write-to-visible latency, in milliseconds."""
+
+    pipeline: str
+    samples: int
+    p50_ms: float
+    p95_ms: float
+    max_ms: float
+    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per query ("sink", "reader"): the median ms of each micro-batch phase Spark reports."""
+
+
+@dataclass
+class Report:
+    """Everything one run measured, plus whether each target was met."""
+
+    size_mib: float
+    partitions: int
+    master: str
+    write: list[WriteFigures] = field(default_factory=list)
+    latency: list[LatencyFigures] = field(default_factory=list)
+    write_ratio: float = 0.0
+    ceiling_write_ratio: float = 0.0
+    """The discarding Python sink's throughput over Parquet's: the API's own limit."""
+    latency_ratio: float = 0.0
+    floor_latency_ratio: float = 0.0
+    """The one-hop floor's p50 over the file pipeline's."""
+    targets: dict[str, bool] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by ``main`` and ``persist bench spark-write``)."""
+    parser.add_argument(
+        "--size-mib",
+        type=float,
+        default=None,
+        help="DataFrame size for the throughput phase (default 1024; 64 quick)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 64 MiB and 15 s per latency pipeline"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="partitions of the DataFrame (default: Spark's default parallelism)",
+    )
+    parser.add_argument(
+        "--rows-per-second",
+        type=int,
+        default=20,
+        help="rate of the latency pipelines' source (default 20)",
+    )
+    parser.add_argument(
+        "--latency-seconds",
+        type=float,
+        default=None,
+        help="run time of each latency pipeline (default 40; 15 quick)",
+    )
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=None,
+        help="samples of the first seconds are dropped (default 8; 5 quick)",
+    )
+    parser.add_argument("--skip-latency", action="store_true", help="throughput only")
+    parser.add_argument("--skip-throughput", action="store_true", help="latency only")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="directory for the stores (default: a temp dir, removed after)",
+    )
+
+
+def _session(master: str) -> Any:
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("persist-bench-spark-write")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+        .config("spark.driver.memory", "4g")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    if not any(m.name == "pyspark_persist" for m in pkgutil.iter_modules()):
+        from pyspark_persist import DefaultSource  # an editable install: not auto-discovered
+
+        spark.dataSource.register(DefaultSource)
+    from pyspark_persist.tools.bench.ceiling import DiscardSink
+
+    spark.dataSource.register(DiscardSink)
+    return spark
+
+
+def _throughput(
+    spark: Any, size_mib: float, partitions: int | None, opts: dict[str, str], workdir: str
+) -> list[WriteFigures]:
+    from pyspark.sql import functions as F
+
+    rows = max(int(size_mib * MiB / ROW_BYTES), 1)
+    parts = partitions or spark.sparkContext.defaultParallelism
+    df = (
+        spark.range(0, rows, numPartitions=parts)
+        .select(
+            F.col("id"),
+            (F.col("id") * F.lit(0.5)).alias("x"),
+            F.md5(F.col("id").cast("string")).alias("s"),
+        )
+        .cache()
+    )
+    assert df.count() == rows  # materialize the cache before any clock starts
+    out: list[WriteFigures] = []
+
+    from pyspark_persist.tools.bench.ceiling import DISCARD
+
+    shard = f"bench-write-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(workdir, "parquet-write")
+    writers = {
+        "persist": lambda: df.write.format("persist").options(**opts).mode("overwrite").save(shard),
+        "parquet": lambda: df.write.mode("overwrite").parquet(path),
+        "discard": lambda: df.write.format(DISCARD).mode("append").save(),
+    }
+    best = dict.fromkeys(writers, float("inf"))
+    for _ in range(ROUNDS):  # interleaved, so a slow spell of the machine hits every writer
+        for name, write in writers.items():
+            started = time.perf_counter()
+            write()
+            best[name] = min(best[name], time.perf_counter() - started)
+    for name, secs in best.items():
+        out.append(
+            WriteFigures(
+                name,
+                rows,
+                round(secs, 3),
+                round(rows / secs, 1),
+                round(rows * ROW_BYTES / MiB / secs, 2),
+            )
+        )
+    df.unpersist()
+    return out
+
+
+def _stop_between_batches(query: Any, wait_s: float = 5.0) -> None:
+    """Stop a query once its current micro-batch is done (interrupting a ``foreachBatch``
+    callback mid-call makes Spark print a long stack trace), or after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while query.status.get("isTriggerActive") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    query.stop()
+
+
+def _phases(query: Any) -> dict[str, float]:
+    """Median ms of each micro-batch phase over the query's recent progress (first 3 skipped)."""
+    spans: dict[str, list[float]] = {}
+    for progress in query.recentProgress[3:]:
+        for phase, ms in progress.durationMs.items():
+            spans.setdefault(phase, []).append(ms)
+    return {phase: statistics.median(v) for phase, v in sorted(spans.items())}
+
+
+def _latency(
+    spark: Any,
+    kind: str,
+    rate: int,
+    seconds: float,
+    warmup: float,
+    opts: dict[str, str],
+    workdir: str,
+) -> LatencyFigures:
+    """Run rate -> {persist|parquet} sink -> same-format source -> foreachBatch; latencies.
+
+    ``kind == "floor"`` runs the rate source straight into ``foreachBatch``.
+    """
+    from pyspark.sql import functions as F
+
+    tag = f"{kind}-{uuid.uuid4().hex[:8]}"
+    events = (
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", rate)
+        .load()
+        .select(F.col("value"), F.unix_micros(F.col("timestamp")).alias("created_us"))
+    )
+    base = os.path.join(workdir, tag)
+    samples: list[tuple[float, float]] = []  # (seen at, latency ms)
+    lock = threading.Lock()
+
+    def record(batch: Any, _batch_id: int) -> None:
+        now_us = time.time_ns() // 1000
+        created = [r.created_us for r in batch.select("created_us").collect()]
+        with lock:
+            samples.extend((now_us / 1e6, (now_us - c) / 1000.0) for c in created)
+
+    sink: Any = None
+    if kind == "floor":
+        source = events
+    elif kind == "persist":
+        sink = (
+            events.writeStream.format("persist")
+            .options(**opts)
+            .option("checkpointLocation", f"{base}/sink-ckpt")
+            .start(tag)
+        )
+        while sink.lastProgress is None:  # the shard exists after the first commit
+            time.sleep(0.05)
+        source = spark.readStream.format("persist").options(**opts).load(tag)
+    else:
+        data = f"{base}/data"
+        sink = (
+            events.writeStream.format("parquet")
+            .option("path", data)
+            .option("checkpointLocation", f"{base}/sink-ckpt")
+            .start()
+        )
+        source = spark.readStream.schema(events.schema).parquet(data)
+    reader = (
+        source.select("created_us")
+        .writeStream.foreachBatch(record)
+        .option("checkpointLocation", f"{base}/read-ckpt")
+        .start()
+    )
+    queries = {"reader": reader} if sink is None else {"sink": sink, "reader": reader}
+    started = time.time()
+    try:
+        while time.time() - started < seconds:
+            for q in queries.values():
+                if q.exception() is not None:
+                    raise RuntimeError(f"{kind} pipeline failed: {q.exception()}")
+            time.sleep(0.25)
+        phases = {name: _phases(q) for name, q in queries.items()}
+    finally:
+        for q in queries.values():
+            _stop_between_batches(q)
+    with lock:
+        kept = sorted(ms for at, ms in samples if at - started >= warmup)
+    if not kept:
+        raise RuntimeError(f"{kind} pipeline: no rows became visible after the warm-up")
+    return LatencyFigures(
+        pipeline="rate -> foreachBatch (floor)"
+        if kind == "floor"
+        else f"rate -> {kind} sink -> {kind} source",
+        samples=len(kept),
+        p50_ms=round(statistics.median(kept), 1),
+        p95_ms=round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
+        max_ms=round(kept[-1], 1),
+        phases_ms=phases,
+    )
+
+
+def run(ns: argparse.Namespace) -> Report:
+    """Run the benchmark as ``ns`` says and return the report."""
+    size = ns.size_mib if ns.size_mib is not None else (64.0 if ns.quick else 1024.0)
+    lat_s = ns.latency_seconds if ns.latency_seconds is not None else (15.0 if ns.quick else 40.0)
+    warmup = ns.warmup_seconds if ns.warmup_seconds is not None else (5.0 if ns.quick else 8.0)
+    workdir = ns.workdir or tempfile.mkdtemp(prefix="persist-bench-spark-")
+    os.makedirs(workdir, exist_ok=True)
+    opts = {
+        "blob": f"file://{os.path.abspath(workdir)}/blob",
+        "consensus": f"sqlite:///{os.path.abspath(workdir)}/consensus.db",
+    }
+    spark = _session(ns.master)
+    parts = ns.partitions or spark.sparkContext.defaultParallelism
+    report = Report(size_mib=size, partitions=parts, master=ns.master)
+    try:
+        if not ns.skip_throughput:
+            report.write = _throughput(spark, size, ns.partitions, opts, workdir)
+            by = {w.writer: w for w in report.write}
+            report.write_ratio = round(by["persist"].rows_per_s / by["parquet"].rows_per_s, 3)
+            report.ceiling_write_ratio = round(
+                by["discard"].rows_per_s / by["parquet"].rows_per_s, 3
+            )
+            report.targets["write_throughput_vs_parquet"] = report.write_ratio >= THROUGHPUT_TARGET
+        if not ns.skip_latency:
+            for kind in ("persist", "parquet", "floor"):
+                report.latency.append(
+                    _latency(spark, kind, ns.rows_per_second, lat_s, warmup, opts, workdir)
+                )
+            persist, files, floor = report.latency
+            report.latency_ratio = round(persist.p50_ms / files.p50_ms, 3)
+            report.floor_latency_ratio = round(floor.p50_ms / files.p50_ms, 3)
+            report.targets["latency_p50_vs_file_pipeline"] = report.latency_ratio <= LATENCY_TARGET
+        if ns.quick:
+            report.notes.append("quick run: sizes too small for the targets to mean much")
+    finally:
+        spark.stop()
+        if ns.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return report
+
+
+def render(report: Report) -> str:
+    """The report as a human-readable table."""
+    lines = [f"persist bench spark-write ({report.master}, {report.partitions} partitions)"]
+    if report.write:
+        lines.append(f"\nWrite throughput, {report.size_mib:g} MiB cached DataFrame:")
+        lines.append(f"  {'writer':<10}{'rows':>12}{'seconds':>10}{'rows/s':>14}{'MiB/s':>10}")
+        for w in report.write:
+            lines.append(
+                f"  {w.writer:<10}{w.rows:>12}{w.seconds:>10.2f}"
+                f"{w.rows_per_s:>14,.0f}{w.mib_per_s:>10.1f}"
+            )
+        ok = report.targets["write_throughput_vs_parquet"]
+        lines.append(
+            f"  persist/parquet = {report.write_ratio:.2f}x "
+            f"(target >= {THROUGHPUT_TARGET}x: {'met' if ok else 'NOT met'})"
+        )
+        lines.append(
+            f"  discard/parquet = {report.ceiling_write_ratio:.2f}x (the most any "
+            "Python sink reaches here)"
+        )
+    if report.latency:
+        lines.append("\nWrite-to-visible latency (ms):")
+        lines.append(f"  {'pipeline':<42}{'samples':>8}{'p50':>9}{'p95':>9}{'max':>9}")
+        for lat in report.latency:
+            lines.append(
+                f"  {lat.pipeline:<42}{lat.samples:>8}{lat.p50_ms:>9.0f}"
+                f"{lat.p95_ms:>9.0f}{lat.max_ms:>9.0f}"
+            )
+        ok = report.targets["latency_p50_vs_file_pipeline"]
+        lines.append(
+            f"  persist/file p50 = {report.latency_ratio:.2f}x "
+            f"(target <= {LATENCY_TARGET}x: {'met' if ok else 'NOT met'})"
+        )
+        lines.append(
+            f"  floor/file p50 = {report.floor_latency_ratio:.2f}x (no pipeline that "
+            "starts at the rate source is faster)"
+        )
+        lines.append("  median ms per micro-batch phase:")
+        for lat in report.latency:
+            for query, phases in lat.phases_ms.items():
+                shown = ", ".join(f"{k} {v:.0f}" for k, v in phases.items() if v)
+                lines.append(f"    {lat.pipeline.split()[2]:<14}{query:<8}{shown}")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run and print (table or ``--json``); the exit status is 0 whether or not targets are met."""
+    report = run(ns)
+    print(json.dumps(asdict(report), indent=2) if ns.json else render(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``main(["--quick", "--json"])``."""
+    parser = argparse.ArgumentParser(
+        prog="persist bench spark-write",
+        description="Spark write throughput next to Parquet, and write-to-visible latency "
+        "of a persist streaming pipeline next to the same pipeline on files.",
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

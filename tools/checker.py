@@ -1,0 +1,1075 @@
+"""A Jepsen-style randomized checker: does a shard ever lose or duplicate a committed update?
+
+Materialize checks persist by running a workload over deliberately
+unreliable Blob and Consensus and verifying the history it produced. This is
+the same idea for pyspark-persist, runnable from CI for seconds and by hand
+for as long as you like::
+
+    python -m pyspark_persist.tools.checker --seconds 3600 --backend file-sqlite --processes 2
+    python -m pyspark_persist.tools.checker --seed 1234 --seconds 30     # replay a seed
+
+What runs, all at once, each client on its own state cache and its own
+seeded :class:`~pyspark_persist.state.unreliable.UnreliableBlob` /
+:class:`~pyspark_persist.state.unreliable.UnreliableConsensus` (lost
+replies, refused calls, timeouts, slowness):
+
+- **writers** (threads, and optionally spawned processes): each owns a
+  writer id and appends numbered writes with ``compare_and_append`` and
+  explicit tokens (token = write number), retrying errors and upper
+  mismatches with the same token, so a lost reply resolves to
+  ``AlreadyCommitted`` or a re-commit. Sometimes a writer *abandons* a write
+  after an error and moves on, so unacknowledged writes exist too. Every row
+  value is unique (``write_key * 1024 + k``) and a write's size is a
+  function of its key, so exactness is checkable row by row;
+- **snapshot readers**: snapshots at random ``as_of`` in ``[since, upper)``,
+  downgrading their since as they go so compaction can advance times;
+- **one listen** from the start of the shard, the reference history: it
+  records each write's time, and its reader holds since just below its
+  frontier (what a real consumer does);
+- **maintenance**: ``compact()`` (fan-in 2-4) and ``gc()`` in a loop, on top
+  of the clients' own background maintenance (small ``gc_interval``).
+
+What is checked (each failure is a *violation* with details):
+
+- every acknowledged write appears exactly once, whole, at a time it was
+  attempted at (its expected upper); an unacknowledged one appears whole or
+  not at all, and only if one of its compare-and-sets had an indeterminate
+  outcome; no row appears that no writer wrote;
+- every snapshot equals the reference collection at its ``as_of`` (the
+  listen's history up to that time), with every diff +1 (no duplicates);
+- the listen's consolidated output equals the final snapshot (read with
+  faults off), events are contiguous, uppers only advance (per writer:
+  commits strictly increase it; per client it never goes back);
+- no *leased* read (snapshot or listen) fails with ``PartNotFound``: GC
+  must not delete a part a reader leases; every part the final state
+  references exists;
+- the final state satisfies its invariants (batches tile ``[0, upper)``).
+
+Reproducibility: the seed fixes every random choice (the fault sequence of
+every store wrapper, write sizes, abandon decisions, as_of choices, pauses).
+Thread scheduling is the OS's, so a replay makes the same decisions but
+may interleave them differently; the report prints the seed to replay with.
+
+Exit status of :func:`main`: 0 with no violation, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import contextlib
+import dataclasses
+import functools
+import logging
+import multiprocessing
+import os
+import queue
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from pyspark_persist.state import (
+    AlreadyCommitted,
+    Committed,
+    PersistClient,
+    PersistConfig,
+    UpperMismatch,
+)
+from pyspark_persist.state.blob import Blob, BlobValue, open_blob
+from pyspark_persist.state.cache import StateCache
+from pyspark_persist.state.consensus import (
+    CaSResult,
+    Consensus,
+    SeqNo,
+    VersionedData,
+    open_consensus,
+)
+from pyspark_persist.state.errors import (
+    CorruptData,
+    Determinate,
+    Indeterminate,
+    PartNotFound,
+    PersistError,
+)
+from pyspark_persist.state.parts import TIME
+from pyspark_persist.state.unreliable import (
+    FAULT_KINDS,
+    Faults,
+    UnreliableBlob,
+    UnreliableConsensus,
+)
+
+SCHEMA = pa.schema([("v", pa.int64())])
+ROWS_PER_KEY = 1024
+"""Row values are ``write_key * ROWS_PER_KEY + k``: a row names its write."""
+KEY_PER_WRITER = 10_000_000
+"""Write keys are ``writer_index * KEY_PER_WRITER + write_number``."""
+BACKENDS = ("mem", "file-sqlite", "file-postgres")
+POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+MAX_DETAILS = 50
+"""Violations listed in full; further ones are counted."""
+FINISH_TIMEOUT_S = 60.0
+"""How long writers may take to finish their last write, and the listen to catch up."""
+
+
+def write_size(key: int) -> int:
+    """Rows of write ``key``: mostly tiny (inline in state), every fifth big (a Blob part)."""
+    n = key % KEY_PER_WRITER
+    return 600 if n % 5 == 4 else 1 + n % 3
+
+
+def write_values(key: int) -> list[int]:
+    """The unique row values of write ``key``."""
+    return [key * ROWS_PER_KEY + k for k in range(write_size(key))]
+
+
+def key_of(value: int) -> int:
+    """The write a row value belongs to."""
+    return value // ROWS_PER_KEY
+
+
+# --- fault-injecting stores that also remember indeterminate commits ---------------------------
+
+
+class TrackingConsensus(UnreliableConsensus):
+    """An UnreliableConsensus that counts, per thread, compare_and_sets with unknown outcome.
+
+    Why: a write that was never acknowledged may appear only if one of its
+    compare-and-sets had an indeterminate outcome. The error a writer finally
+    sees does not say so (the machine retries an Indeterminate and may then
+    time out on a StoreUnavailable), so the checker asks the store.
+    """
+
+    def __init__(self, inner: Consensus, faults: Faults, *, enabled: bool = True) -> None:
+        super().__init__(inner, faults, enabled=enabled)
+        self._local = threading.local()
+
+    def indeterminate_cas(self) -> int:
+        """Compare-and-sets of the calling thread that raised Indeterminate so far."""
+        return int(getattr(self._local, "n", 0))
+
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
+        """The unreliable compare_and_set, counting Indeterminate outcomes of this thread."""
+        try:
+            return super().compare_and_set(key, expected, new)
+        except Indeterminate:
+            self._local.n = self.indeterminate_cas() + 1
+            raise
+
+
+class LossyBlob(UnreliableBlob):
+    """Sabotage: a Blob that *claims* to store every third part but drops it (a lying store).
+
+    Only used to prove the checker catches lost data; never a model of a real store.
+    """
+
+    def __init__(self, inner: Blob, faults: Faults, *, enabled: bool = True) -> None:
+        super().__init__(inner, faults, enabled=enabled)
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: BlobValue) -> None:
+        """Drop every third part write (silently), pass everything else on."""
+        if "/part/" in key:
+            with self._lock:
+                self._n += 1
+                drop = self._n % 3 == 0
+            if drop:
+                return
+        super().set(key, value)
+
+
+SABOTAGE = ("fresh_tokens", "lossy_blob")
+"""Deliberate bugs the checker must detect: a writer that takes a new token per retry
+(duplicates after a lost reply), and a Blob that loses acknowledged parts."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where the shard lives: URIs, plus a directory to remove afterwards."""
+
+    blob_uri: str
+    consensus_uri: str
+    cleanup: str | None = None
+
+
+def make_location(backend: str, root: str | None = None) -> Location:
+    """A fresh location of ``backend`` (``mem``, ``file-sqlite``, ``file-postgres``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    tag = uuid.uuid4().hex
+    if backend == "mem":
+        return Location(f"mem://check-{tag}", f"mem://check-{tag}")
+    directory = tempfile.mkdtemp(prefix="persist-check-", dir=root)
+    blob = f"file://{directory}/blob"
+    if backend == "file-sqlite":
+        return Location(blob, f"sqlite:///{directory}/consensus.db", directory)
+    return Location(blob, os.environ.get("PERSIST_CHECK_POSTGRES", POSTGRES_URL), directory)
+
+
+def default_faults(seed: int, *, reader: bool = False) -> tuple[Faults, Faults]:
+    """(blob, consensus) faults of one client: frequent enough to hit every retry path.
+
+    A reader's snapshot fetches every part, so its Blob faults are rarer: at the writers'
+    rate a snapshot of 30 parts would almost never succeed and little would be checked.
+    """
+    b = 0.004 if reader else 0.03
+    return (
+        Faults(seed=seed, fail_before=b, fail_after=b, timeout=b / 3, slow=0.02, slow_s=0.002),
+        Faults(
+            seed=seed + 1, fail_before=0.05, fail_after=0.05, timeout=0.02, slow=0.05, slow_s=0.002
+        ),
+    )
+
+
+def worker_config(rng: random.Random) -> PersistConfig:
+    """Knobs that make compaction, GC, rollups and retries happen constantly."""
+    return PersistConfig(
+        part_target_bytes=16 * 1024,
+        compaction_fan_in=rng.randint(2, 4),
+        gc_interval=2,
+        rollup_interval=8,
+        # Half the clients hand every store error straight to the caller, so caller-level
+        # retries with the same token are exercised, not only the machine's own.
+        retry_timeout_s=rng.choice((1e-9, 0.3)),
+        heartbeat_interval_s=1.0,
+        reader_lease_s=120.0,
+        staged_part_grace_s=3600.0,
+        listen_poll_max_s=0.02,
+    )
+
+
+class FaultyClient:
+    """A client on its own cache over fault-injecting wrappers of a location's stores."""
+
+    def __init__(
+        self,
+        loc: Location,
+        seed: int,
+        config: PersistConfig,
+        sabotage: str | None = None,
+        *,
+        reader: bool = False,
+    ) -> None:
+        blob_faults, cons_faults = default_faults(seed, reader=reader)
+        blob_cls = LossyBlob if sabotage == "lossy_blob" else UnreliableBlob
+        if sabotage == "fresh_tokens":  # make sure lost replies reach the (buggy) caller
+            config = dataclasses.replace(config, retry_timeout_s=1e-9)
+        self.blob = blob_cls(open_blob(loc.blob_uri), blob_faults, enabled=False)
+        self.consensus = TrackingConsensus(
+            open_consensus(loc.consensus_uri), cons_faults, enabled=False
+        )
+        self.client = PersistClient(self.blob, self.consensus, config=config, cache=StateCache())
+
+    def enable(self, on: bool = True) -> None:
+        """Switch faults on or off (off for setup and the final verification)."""
+        self.blob.enabled = on
+        self.consensus.enabled = on
+
+    def faults(self) -> collections.Counter[str]:
+        """Faults injected so far, by kind."""
+        out: collections.Counter[str] = collections.Counter()
+        for kind in FAULT_KINDS:
+            out[kind] += self.blob.injected[kind] + self.consensus.injected[kind]
+        return out
+
+    def close(self) -> None:
+        """Close the client (and with it the stores)."""
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+# --- what the workers record ------------------------------------------------------------------
+
+
+@dataclass
+class WriteRecord:
+    """What one writer learned about one write (JSON-able, to cross a process Queue)."""
+
+    key: int
+    acked: bool = False
+    landed_at: int | None = None
+    """The time it landed at when a Committed said so (None: acked by AlreadyCommitted)."""
+    candidates: list[int] = field(default_factory=list)
+    """Every expected upper it was attempted at: the only times it may have landed at."""
+    errors: int = 0
+    indeterminate: bool = False
+    """Some compare-and-set of it had an unknown outcome: it may have landed unacknowledged."""
+
+
+@dataclass
+class Report:
+    """The outcome of one checker run; see :meth:`render`."""
+
+    seed: int
+    backend: str
+    duration_s: float = 0.0
+    ops: collections.Counter[str] = field(default_factory=collections.Counter)
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    violations: list[str] = field(default_factory=list)
+    violation_count: int = 0
+    final_upper: int = 0
+    sabotage: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No violation found."""
+        return self.violation_count == 0
+
+    @property
+    def operations_checked(self) -> int:
+        """Writes verified plus snapshots compared plus listen events checked."""
+        return (
+            self.ops["writes_checked"] + self.ops["snapshots_checked"] + self.ops["listen_events"]
+        )
+
+    def render(self) -> str:
+        """The human-readable report: seed, ops by kind, faults by kind, violations."""
+        lines = [
+            f"persist checker: seed={self.seed} backend={self.backend} "
+            f"duration={self.duration_s:.1f}s final_upper={self.final_upper}"
+            + (f" sabotage={self.sabotage}" if self.sabotage else ""),
+            f"operations checked: {self.operations_checked}",
+            "operations:",
+            *(f"  {k:<28} {v}" for k, v in sorted(self.ops.items())),
+            f"faults injected: {sum(self.faults.values())}",
+            *(f"  {k:<28} {v}" for k, v in sorted(self.faults.items())),
+            f"violations: {self.violation_count}",
+            *(f"  - {v}" for v in self.violations),
+        ]
+        if self.violation_count > len(self.violations):
+            lines.append(f"  ... and {self.violation_count - len(self.violations)} more")
+        lines.append(
+            f"replay with: python -m pyspark_persist.tools.checker --seed {self.seed} "
+            f"--backend {self.backend}"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-able values."""
+        return {
+            "seed": self.seed,
+            "backend": self.backend,
+            "duration_s": round(self.duration_s, 3),
+            "operations_checked": self.operations_checked,
+            "ops": dict(self.ops),
+            "faults": dict(self.faults),
+            "faults_injected": sum(self.faults.values()),
+            "violation_count": self.violation_count,
+            "violations": self.violations,
+            "final_upper": self.final_upper,
+        }
+
+
+class Recorder:
+    """Thread-safe collection of ops, faults and violations during a run."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        self._lock = threading.Lock()
+
+    def op(self, kind: str, n: int = 1) -> None:
+        """Count ``n`` operations of ``kind``."""
+        with self._lock:
+            self.report.ops[kind] += n
+
+    def violation(self, text: str) -> None:
+        """Record a violation (the first MAX_DETAILS in full)."""
+        with self._lock:
+            self.report.violation_count += 1
+            if len(self.report.violations) < MAX_DETAILS:
+                self.report.violations.append(text)
+
+
+# --- the writer loop, shared by threads and processes -----------------------------------------
+
+
+def write_loop(
+    fc: FaultyClient,
+    shard_name: str,
+    index: int,
+    seed: int,
+    stop: threading.Event | Callable[[], bool],
+    op: Callable[[str], None],
+    violation: Callable[[str], None],
+    *,
+    sabotage: str | None = None,
+    abandon_p: float = 0.15,
+) -> list[WriteRecord]:
+    """Append numbered writes until ``stop``; return what was learned about each.
+
+    Retries with the same token (the token is the write number) until the
+    write is acknowledged, except that after an error it is abandoned with
+    probability ``abandon_p``. With sabotage ``fresh_tokens`` every retry
+    takes a new token, the bug idempotency tokens exist to prevent.
+    """
+    stopped = stop.is_set if isinstance(stop, threading.Event) else stop
+    rng = random.Random(seed)
+    shard = fc.client.open_shard(shard_name)
+    writer = shard.writer(f"writer-{index}")
+    fc.enable()
+    records: list[WriteRecord] = []
+    upper = _retry(writer.fetch_upper, stopped, hard_s=FINISH_TIMEOUT_S)
+    last_committed = -1
+    last_seen = upper
+    number = 0
+    token = 0
+    while not stopped():
+        number += 1
+        token += 1
+        key = index * KEY_PER_WRITER + number
+        rec = WriteRecord(key)
+        records.append(rec)
+        data = pa.table({"v": write_values(key)}, schema=SCHEMA)
+        before = fc.consensus.indeterminate_cas()
+        finish_by: float | None = None
+        while True:
+            if stopped():
+                finish_by = finish_by or time.monotonic() + FINISH_TIMEOUT_S / 2
+                if time.monotonic() > finish_by:
+                    op("writes_unfinished_at_stop")
+                    break
+            new_upper = upper + rng.randint(1, 3)
+            rec.candidates.append(upper)
+            op("write_attempts")
+            try:
+                res = writer.compare_and_append(data, upper, new_upper, token=token)
+            except (Determinate, Indeterminate) as e:
+                rec.errors += 1
+                op("write_errors_" + type(e).__name__)
+                with contextlib.suppress(PersistError):
+                    upper = writer.fetch_upper()
+                if sabotage == "fresh_tokens":
+                    token += 1
+                if rng.random() < abandon_p:
+                    op("writes_abandoned")
+                    break
+                continue
+            seen = res.current if isinstance(res, UpperMismatch) else res.upper
+            if seen < last_seen:
+                violation(f"writer-{index}: upper went back from {last_seen} to {seen} ({res})")
+            last_seen = max(last_seen, seen)
+            if isinstance(res, UpperMismatch):
+                op("upper_mismatches")
+                if res.current == upper:
+                    violation(f"writer-{index}: UpperMismatch reports the expected upper {upper}")
+                upper = res.current
+                continue
+            if isinstance(res, Committed):
+                op("commits")
+                if res.upper != new_upper:
+                    violation(f"writer-{index}: Committed upper {res.upper}, asked {new_upper}")
+                if res.upper <= last_committed:
+                    violation(
+                        f"writer-{index}: commit upper {res.upper} did not advance past "
+                        f"{last_committed}"
+                    )
+                last_committed = res.upper
+                rec.landed_at = upper
+            else:
+                assert isinstance(res, AlreadyCommitted)
+                op("already_committed")
+                if res.token < token:
+                    violation(f"writer-{index}: AlreadyCommitted token {res.token} < asked {token}")
+            rec.acked = True
+            upper = res.upper
+            break
+        rec.indeterminate = fc.consensus.indeterminate_cas() > before
+        if rec.acked:
+            op("writes_acked")
+        if rng.random() < 0.1:
+            time.sleep(rng.uniform(0, 0.01))
+    return records
+
+
+def _retry(fn: Callable[[], Any], stopped: Callable[[], bool], hard_s: float) -> Any:
+    """Call ``fn`` until it does not raise a store error (setup under faults)."""
+    deadline = time.monotonic() + hard_s
+    while True:
+        try:
+            return fn()
+        except (Determinate, Indeterminate):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
+def _process_writer(
+    loc: Location,
+    shard_name: str,
+    index: int,
+    seed: int,
+    duration_s: float,
+    sabotage: str | None,
+    out: Any,
+) -> None:
+    """A spawned writer process: write for ``duration_s``, then report records and faults."""
+    fc = FaultyClient(loc, seed, worker_config(random.Random(seed)), sabotage)
+    ops: collections.Counter[str] = collections.Counter()
+    violations: list[str] = []
+    deadline = time.monotonic() + duration_s
+    try:
+        records = write_loop(
+            fc,
+            shard_name,
+            index,
+            seed,
+            lambda: time.monotonic() > deadline,
+            lambda k: ops.update([k]),
+            violations.append,
+            sabotage=sabotage,
+        )
+        fc.enable(False)
+        out.put(
+            {
+                "index": index,
+                "records": [vars(r) for r in records],
+                "ops": dict(ops),
+                "faults": dict(fc.faults()),
+                "violations": violations,
+            }
+        )
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
+        out.put({"index": index, "error": f"{type(e).__name__}: {e}"})
+    finally:
+        fc.close()
+
+
+# --- the reference history: one listen --------------------------------------------------------
+
+
+class History:
+    """The listen's view: each write's time, in time order, plus pending snapshot checks."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self._rec = rec
+        self._lock = threading.Lock()
+        self.time_of: dict[int, int] = {}
+        self._times: list[int] = []  # sorted
+        self._keys: list[int] = []  # parallel to _times
+        self.frontier = 1
+        self._pending: list[tuple[int, frozenset[int], str]] = []
+
+    def add_event(self, lower: int, upper: int, table: pa.Table) -> None:
+        """Check one listen event's updates and add them to the history."""
+        rec = self._rec
+        if lower != self.frontier or upper <= lower:
+            rec.violation(
+                f"listen: event [{lower}, {upper}) does not follow frontier {self.frontier}"
+            )
+        sums: collections.Counter[int] = collections.Counter()
+        times: dict[int, set[int]] = collections.defaultdict(set)
+        for v, t, d in zip(
+            table.column("v").to_pylist(),
+            table.column(TIME).to_pylist(),
+            table.column("_diff").to_pylist(),
+            strict=True,
+        ):
+            sums[v] += d
+            times[key_of(v)].add(t)
+        per_key: collections.Counter[int] = collections.Counter()
+        for v, d in sums.items():
+            if d != 1:
+                rec.violation(
+                    f"listen: row {v} (write {key_of(v)}) has diff {d} in event [{lower}, {upper})"
+                )
+            if d != 0:
+                per_key[key_of(v)] += 1
+        new: list[tuple[int, int]] = []
+        for key, n in per_key.items():
+            if n != write_size(key):
+                rec.violation(
+                    f"listen: write {key} appears partially ({n} of {write_size(key)} rows)"
+                )
+            ts = times[key]
+            if len(ts) != 1:
+                rec.violation(f"listen: write {key} appears at several times {sorted(ts)}")
+            t = min(ts)
+            if not lower <= t < upper:
+                rec.violation(f"listen: write {key} at time {t} outside event [{lower}, {upper})")
+            if key in self.time_of:
+                rec.violation(
+                    f"listen: write {key} emitted twice (times {self.time_of[key]} and {t})"
+                )
+                continue
+            new.append((t, key))
+        with self._lock:
+            for t, key in sorted(new):
+                self.time_of[key] = t
+                i = bisect.bisect_right(self._times, t)
+                self._times.insert(i, t)
+                self._keys.insert(i, key)
+            self.frontier = max(self.frontier, upper)
+            due = [p for p in self._pending if p[0] < self.frontier]
+            self._pending = [p for p in self._pending if p[0] >= self.frontier]
+        for as_of, keys, who in due:
+            self._compare(as_of, keys, who)
+
+    def expected_at(self, as_of: int) -> frozenset[int]:
+        """The writes the collection holds at ``as_of`` (as_of must be below the frontier)."""
+        with self._lock:
+            return frozenset(self._keys[: bisect.bisect_right(self._times, as_of)])
+
+    def add_snapshot(self, as_of: int, keys: frozenset[int], who: str) -> None:
+        """Compare a snapshot now if the history covers ``as_of``, else when it does."""
+        with self._lock:
+            if as_of >= self.frontier:
+                self._pending.append((as_of, keys, who))
+                return
+        self._compare(as_of, keys, who)
+
+    def flush(self) -> int:
+        """Compare pending snapshots the history now covers; return how many stay unchecked."""
+        with self._lock:
+            due = [p for p in self._pending if p[0] < self.frontier]
+            self._pending = [p for p in self._pending if p[0] >= self.frontier]
+            left = len(self._pending)
+        for as_of, keys, who in due:
+            self._compare(as_of, keys, who)
+        return left
+
+    def _compare(self, as_of: int, keys: frozenset[int], who: str) -> None:
+        expected = self.expected_at(as_of)
+        self._rec.op("snapshots_checked")
+        if keys != expected:
+            missing = sorted(expected - keys)
+            extra = sorted(keys - expected)
+            self._rec.violation(
+                f"{who}: snapshot as_of {as_of} differs from the reference: missing writes "
+                f"{missing[:10]}{'...' if len(missing) > 10 else ''} ({len(missing)}), extra "
+                f"{extra[:10]}{'...' if len(extra) > 10 else ''} ({len(extra)})"
+            )
+
+
+def snapshot_keys(table: pa.Table, who: str, as_of: int, rec: Recorder) -> frozenset[int]:
+    """The writes a consolidated snapshot holds; each row must be there once, whole."""
+    per_key: collections.Counter[int] = collections.Counter()
+    for v, d in zip(table.column("v").to_pylist(), table.column("_diff").to_pylist(), strict=True):
+        if d != 1:
+            rec.violation(
+                f"{who}: snapshot as_of {as_of} holds row {v} (write {key_of(v)}) with diff {d}"
+            )
+        per_key[key_of(v)] += 1
+    for key, n in per_key.items():
+        if n != write_size(key):
+            rec.violation(
+                f"{who}: snapshot as_of {as_of} holds write {key} partially "
+                f"({n} of {write_size(key)} rows)"
+            )
+    return frozenset(per_key)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def run(
+    seed: int | None = None,
+    duration_s: float = 10.0,
+    writers: int = 4,
+    processes: int = 0,
+    backend: str = "mem",
+    *,
+    readers: int = 2,
+    sabotage: str | None = None,
+    root: str | None = None,
+) -> Report:
+    """Run the workload for ``duration_s`` and verify its history; see the module doc."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(1 << 31)
+    if sabotage is not None and sabotage not in SABOTAGE:
+        raise ValueError(f"unknown sabotage {sabotage!r}: use one of {', '.join(SABOTAGE)}")
+    if processes and backend == "mem":
+        raise ValueError(
+            "writer processes need a shared location: use file-sqlite or file-postgres, not mem"
+        )
+    rng = random.Random(seed)
+    report = Report(seed=seed, backend=backend, sabotage=sabotage)
+    rec = Recorder(report)
+    loc = make_location(backend, root)
+    shard_name = f"check-{seed}-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    clients: list[FaultyClient] = []
+    try:
+        _run(
+            loc,
+            shard_name,
+            seed,
+            rng,
+            duration_s,
+            writers,
+            processes,
+            readers,
+            sabotage,
+            rec,
+            clients,
+        )
+    finally:
+        for fc in clients:
+            report.faults.update(fc.faults())
+            fc.close()
+        if loc.cleanup:
+            shutil.rmtree(loc.cleanup, ignore_errors=True)
+    report.duration_s = time.monotonic() - started
+    return report
+
+
+def _run(
+    loc: Location,
+    shard_name: str,
+    seed: int,
+    rng: random.Random,
+    duration_s: float,
+    n_writers: int,
+    n_processes: int,
+    n_readers: int,
+    sabotage: str | None,
+    rec: Recorder,
+    clients: list[FaultyClient],
+) -> None:
+    report = rec.report
+
+    def faulty(sub_seed: int, sab: str | None = None, reader: bool = False) -> FaultyClient:
+        fc = FaultyClient(loc, sub_seed, worker_config(random.Random(sub_seed)), sab, reader=reader)
+        clients.append(fc)
+        return fc
+
+    # Setup, reliable: the shard, and an empty batch [0, 1) so a listen from 0 sees every write.
+    with PersistClient(
+        open_blob(loc.blob_uri), open_consensus(loc.consensus_uri), cache=StateCache()
+    ) as setup:
+        shard = setup.open_shard(shard_name, SCHEMA)
+        shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+
+    stop = threading.Event()
+    history = History(rec)
+    errors: list[str] = []
+    records: list[WriteRecord] = []
+    records_lock = threading.Lock()
+
+    def guard(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def body() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - a crashed worker is a failed run
+                errors.append(f"{name} crashed: {type(e).__name__}: {e}")
+                rec.violation(f"{name} crashed: {type(e).__name__}: {e}")
+
+        return body
+
+    def writer_thread(i: int) -> None:
+        fc = faulty(rng_seeds[f"w{i}"], sabotage)
+        out = write_loop(
+            fc, shard_name, i, rng_seeds[f"w{i}"], stop, rec.op, rec.violation, sabotage=sabotage
+        )
+        with records_lock:
+            records.extend(out)
+
+    def reader_thread(i: int) -> None:
+        fc = faulty(rng_seeds[f"r{i}"], reader=True)
+        r = random.Random(rng_seeds[f"r{i}"])
+        shard = fc.client.open_shard(shard_name)
+        reader = shard.reader(f"reader-{i}")
+        fc.enable()
+        who = f"reader-{i}"
+        last_upper = 0
+        while not stop.is_set():
+            try:
+                latest = reader.latest_as_of()
+            except (Determinate, Indeterminate):
+                rec.op("snapshot_errors")
+                continue
+            if latest + 1 < last_upper:
+                rec.violation(f"{who}: upper went back from {last_upper} to {latest + 1}")
+            last_upper = max(last_upper, latest + 1)
+            lo = reader.since
+            if lo > latest:
+                time.sleep(0.005)
+                continue
+            as_of = r.randint(lo, latest)
+            try:
+                table = reader.snapshot_table(as_of)
+            except PartNotFound as e:
+                rec.violation(f"{who}: leased snapshot as_of {as_of} failed: {e}")
+                continue
+            except CorruptData as e:
+                rec.violation(f"{who}: snapshot as_of {as_of} read corrupt data: {e}")
+                continue
+            except (Determinate, Indeterminate):
+                rec.op("snapshot_errors")
+                continue
+            rec.op("snapshots")
+            history.add_snapshot(as_of, snapshot_keys(table, who, as_of, rec), who)
+            if r.random() < 0.3:
+                with contextlib.suppress(Determinate, Indeterminate):
+                    reader.downgrade_since(r.randint(lo, as_of))
+                    rec.op("since_downgrades")
+            time.sleep(r.uniform(0, 0.02))
+        with contextlib.suppress(PersistError):
+            reader.close()
+
+    listen_done = threading.Event()
+    final_upper_box: list[int] = []
+
+    def listen_thread() -> None:
+        fc = faulty(rng_seeds["listen"], reader=True)
+        shard = fc.client.open_shard(shard_name)
+        reader = shard.reader("listener")
+        listen = reader.listen(0)
+        fc.enable()
+        r = random.Random(rng_seeds["listen"])
+        deadline: float | None = None
+        while True:
+            if final_upper_box:
+                if history.frontier >= final_upper_box[0]:
+                    break
+                deadline = deadline or time.monotonic() + FINISH_TIMEOUT_S
+                if time.monotonic() > deadline:
+                    rec.violation(
+                        f"listen: stuck at frontier {history.frontier}, final upper "
+                        f"{final_upper_box[0]}"
+                    )
+                    break
+            try:
+                event = listen.next(timeout_s=0.1)
+            except (Determinate, Indeterminate):
+                rec.op("listen_errors")
+                continue
+            if event is None:
+                continue
+            while True:
+                try:
+                    table = reader.fetch(event.parts)
+                    break
+                except PartNotFound as e:
+                    rec.violation(
+                        f"listen: leased event [{event.lower}, {event.upper}) failed: {e}"
+                    )
+                    table = None
+                    break
+                except (Determinate, Indeterminate):
+                    rec.op("listen_errors")
+            if table is None:
+                history.frontier = max(history.frontier, event.upper)
+                continue
+            rec.op("listen_events")
+            history.add_event(event.lower, event.upper, table)
+            if r.random() < 0.3 and history.frontier > 1:
+                with contextlib.suppress(Determinate, Indeterminate):
+                    reader.downgrade_since(history.frontier - 1)
+        listen.close()
+        listen_done.set()
+        with contextlib.suppress(PersistError):
+            reader.close()
+
+    def maintenance_thread() -> None:
+        fc = faulty(rng_seeds["maint"])
+        r = random.Random(rng_seeds["maint"])
+        shard = fc.client.open_shard(shard_name)
+        fc.enable()
+        while not stop.is_set():
+            try:
+                if r.random() < 0.6:
+                    rec.op("compactions", len(shard.compact()))
+                else:
+                    shard.gc()
+                    rec.op("gcs")
+            except PartNotFound:
+                rec.op("compaction_raced_gc")  # unleased: compaction re-plans, not a violation
+            except PersistError:
+                rec.op("maintenance_errors")
+            stop.wait(r.uniform(0.01, 0.1))
+
+    rng_seeds = {
+        name: rng.randrange(1 << 31)
+        for name in [
+            *(f"w{i}" for i in range(n_writers)),
+            *(f"r{i}" for i in range(n_readers)),
+            *(f"p{i}" for i in range(n_processes)),
+            "listen",
+            "maint",
+        ]
+    }
+    threads = [
+        threading.Thread(
+            target=guard(f"writer-{i}", functools.partial(writer_thread, i)),
+            name=f"check-writer-{i}",
+        )
+        for i in range(n_writers)
+    ]
+    threads += [
+        threading.Thread(
+            target=guard(f"reader-{i}", functools.partial(reader_thread, i)),
+            name=f"check-reader-{i}",
+        )
+        for i in range(n_readers)
+    ]
+    threads.append(threading.Thread(target=guard("maintenance", maintenance_thread)))
+    listener = threading.Thread(target=guard("listen", listen_thread), name="check-listen")
+
+    procs: list[multiprocessing.process.BaseProcess] = []
+    out_q: Any = None
+    if n_processes:
+        ctx = multiprocessing.get_context("spawn")
+        out_q = ctx.Queue()
+        for i in range(n_processes):
+            idx = n_writers + i
+            procs.append(
+                ctx.Process(
+                    target=_process_writer,
+                    args=(loc, shard_name, idx, rng_seeds[f"p{i}"], duration_s, sabotage, out_q),
+                    name=f"check-process-{idx}",
+                )
+            )
+    listener.start()
+    for p in procs:
+        p.start()
+    for t in threads:
+        t.start()
+    stop.wait(duration_s)
+    stop.set()
+    proc_results: list[dict[str, Any]] = []
+    for _ in procs:
+        try:
+            proc_results.append(out_q.get(timeout=FINISH_TIMEOUT_S + duration_s + 30))
+        except queue.Empty:
+            rec.violation("a writer process reported nothing (crashed or hung)")
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    for t in threads:
+        t.join(timeout=FINISH_TIMEOUT_S)
+        if t.is_alive():
+            rec.violation(f"{t.name} did not finish")
+    for res in proc_results:
+        if "error" in res:
+            rec.violation(f"writer process {res['index']} failed: {res['error']}")
+            continue
+        records.extend(WriteRecord(**r) for r in res["records"])
+        report.ops.update(res["ops"])
+        report.faults.update(res["faults"])
+        for v in res["violations"]:
+            rec.violation(f"process {res['index']}: {v}")
+    rec.op("writer_processes", len(proc_results))
+
+    # Verification, faults off: the final state and snapshot through a reliable client. The
+    # clients' background maintenance keeps compacting and collecting, so the final state is
+    # read under a lease (a reader registered first), like any other read.
+    for fc in clients:
+        fc.enable(False)
+    for fc in clients:
+        fc.client.maintenance.wait_idle(10)
+    with PersistClient(
+        open_blob(loc.blob_uri), open_consensus(loc.consensus_uri), cache=StateCache()
+    ) as check:
+        shard = check.open_shard(shard_name)
+        final_reader = shard.reader("final-check")
+        state = shard.state()
+        report.final_upper = state.upper
+        final_upper_box.append(state.upper)
+        listener.join(timeout=FINISH_TIMEOUT_S + 10)
+        try:
+            state.check_invariants()
+        except CorruptData as e:
+            rec.violation(f"final state breaks an invariant: {e}")
+        for b in state.batches.values():
+            for part in b.parts:
+                if part.key is not None and check.blob.get(part.key) is None:
+                    rec.violation(f"final state references part {part.key}, missing from Blob")
+        try:
+            final = final_reader.snapshot_table(state.upper - 1)
+            final_keys = snapshot_keys(final, "final", state.upper - 1, rec)
+        except PersistError as e:
+            rec.violation(f"final snapshot failed: {type(e).__name__}: {e}")
+            final_keys = frozenset()
+        final_reader.close()
+    left = history.flush()
+    if left:
+        rec.op("snapshots_unchecked", left)
+    listened = frozenset(history.time_of)
+    if listen_done.is_set() and listened != final_keys:
+        rec.violation(
+            f"listen output differs from the final snapshot: only listened "
+            f"{sorted(listened - final_keys)[:10]}, only in snapshot "
+            f"{sorted(final_keys - listened)[:10]}"
+        )
+    times = dict(history.time_of) if listen_done.is_set() else {}
+    seen_keys: set[int] = set()
+    for w in records:
+        rec.op("writes_checked")
+        seen_keys.add(w.key)
+        present = w.key in final_keys
+        if w.acked and not present:
+            rec.violation(f"acknowledged write {w.key} is lost ({w})")
+        elif not w.acked and present and not w.indeterminate:
+            rec.violation(f"write {w.key} failed determinately yet appears ({w})")
+        elif not w.acked and present:
+            rec.op("unacked_writes_that_landed")
+        landed = times.get(w.key)
+        if landed is not None:
+            if landed not in w.candidates:
+                rec.violation(f"write {w.key} landed at time {landed}, never attempted there ({w})")
+            elif w.landed_at is not None and landed != w.landed_at:
+                rec.violation(f"write {w.key} committed at {w.landed_at} but is at time {landed}")
+    for key in sorted(final_keys - seen_keys)[:MAX_DETAILS]:
+        rec.violation(f"write {key} appears but no writer attempted it")
+    if errors:
+        rec.op("worker_crashes", len(errors))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run the checker, print the report, exit 1 on any violation."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pyspark_persist.tools.checker",
+        description="Randomized exactly-once checker of persist shards under injected faults.",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="replay this seed")
+    parser.add_argument("--seconds", type=float, default=30.0, help="workload duration")
+    parser.add_argument("--writers", type=int, default=4, help="writer threads")
+    parser.add_argument("--processes", type=int, default=0, help="writer processes (spawned)")
+    parser.add_argument("--readers", type=int, default=2, help="snapshot reader threads")
+    parser.add_argument("--backend", choices=BACKENDS, default="mem")
+    parser.add_argument(
+        "--sabotage",
+        choices=SABOTAGE,
+        default=None,
+        help="inject a deliberate bug (to see the checker catch it)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--log-level",
+        default="ERROR",
+        help="persist's own logging (it logs every retried fault at INFO)",
+    )
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    report = run(
+        ns.seed,
+        ns.seconds,
+        ns.writers,
+        ns.processes,
+        ns.backend,
+        readers=ns.readers,
+        sabotage=ns.sabotage,
+    )
+    if ns.json:
+        import json
+
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.render())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
