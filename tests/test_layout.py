@@ -19,18 +19,17 @@ CHECK = """
 import importlib, json, pkgutil, sys
 root = sys.argv[1]
 pkg = importlib.import_module(root)
-mods = [root]
-if hasattr(pkg, "__path__"):
-    for m in pkgutil.walk_packages(pkg.__path__, root + "."):
-        if root == "pyspark_persist" and m.name.startswith(
-            ("pyspark_persist.state", "pyspark_persist.pubsub", "pyspark_persist.tools")
-        ):
-            continue
-        if m.name == "pyspark_persist.__main__":
-            continue  # the console entry point: it runs the CLI in tools by design
-        mods.append(m.name)
-for name in mods:
-    importlib.import_module(name)
+skip = ("pyspark_persist.state", "pyspark_persist.pubsub", "pyspark_persist.tools")
+todo = [root]
+while todo:  # walk by hand: pkgutil.walk_packages imports every subpackage it descends into
+    name = todo.pop()
+    if name == "pyspark_persist.__main__":
+        continue  # the console entry point: it runs the CLI in tools by design
+    if root == "pyspark_persist" and name.startswith(skip):
+        continue
+    module = importlib.import_module(name)
+    if hasattr(module, "__path__"):
+        todo.extend(m.name for m in pkgutil.iter_modules(module.__path__, name + "."))
 print(json.dumps(sorted(
     n for n in sys.modules
     if n == "pyspark" or n.startswith(("pyspark.", "pyspark_persist"))
