@@ -43,6 +43,8 @@ def stop(query: StreamingQuery) -> None:
 
     Stopping cancels the running micro-batch, whose staged parts are aborted
     (and its input replayed on restart): expected, so not worth an ERROR log.
+    The cancelled tasks log their abort when they end, which can be after
+    ``stop()`` returns, so the quiet lasts until no task runs any more.
     """
     spark = SparkSession.getActiveSession()
     if spark is None:
@@ -51,8 +53,19 @@ def stop(query: StreamingQuery) -> None:
     spark.sparkContext.setLogLevel("FATAL")
     try:
         query.stop()
+        _wait_for_running_tasks(spark)
     finally:
         spark.sparkContext.setLogLevel("ERROR")
+
+
+def _wait_for_running_tasks(spark: SparkSession, timeout_s: float = 30) -> None:
+    """Block until no executor runs a task (the JVM's tracker; Python's has no task counts)."""
+    tracker = spark.sparkContext._jsc.sc().statusTracker()  # noqa: SLF001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(e.numRunningTasks() for e in tracker.getExecutorInfos()):
+            return
+        time.sleep(0.05)
 
 
 def follow(query: StreamingQuery, seconds: float, label: str) -> None:
