@@ -1,8 +1,8 @@
 """Dependency hygiene: the wheel a user installs builds, installs cleanly, and works on its own.
 
 A new user runs ``pip install ".[spark]"`` and then the README's main job;
-neither may print a warning (PySpark warns at every Python worker start when
-pandas >= 3 is installed, so the extras keep pandas below 3). The wheel must
+neither may print a warning (PySpark's Python workers warn that it does not
+fully support pandas >= 3, so the extras keep pandas below 3). The wheel must
 work without the source tree: every check runs from a directory holding only
 a copy of ``examples/``, with the package imported from the new venv.
 """
