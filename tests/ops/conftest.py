@@ -27,7 +27,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     assert result.returncode == 0, result.stdout[-4000:]
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
-    return Built(sdist, wheel, result.stdout)
+    return Built(sdist, wheel)
 
 
 @pytest.fixture(scope="session")

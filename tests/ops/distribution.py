@@ -20,11 +20,10 @@ STEP_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class Built:
-    """The distributions ``python -m build`` made, and what it printed."""
+    """The distributions ``python -m build`` made."""
 
     sdist: Path
     wheel: Path
-    output: str
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ ROWS = 600
 
 
 def _parent(pid: int) -> int:
+    """The parent of ``pid``, from /proc (field 4 of stat; the name before it may hold spaces)."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
@@ -71,6 +72,7 @@ def _where(_: Iterator[Any]) -> Iterator[dict[str, Any]]:
 
 
 def _wait_for_executors(spark: SparkSession, count: int, timeout_s: float = 120) -> None:
+    """Block until ``count`` executors have registered, so the first job's tasks reach all."""
     tracker = spark.sparkContext._jsc.sc().statusTracker()  # noqa: SLF001
     deadline = time.monotonic() + timeout_s
     while len(tracker.getExecutorInfos()) < count + 1:  # the driver counts as one
@@ -80,6 +82,7 @@ def _wait_for_executors(spark: SparkSession, count: int, timeout_s: float = 120)
 
 
 def _write(spark: SparkSession, opts: dict[str, str], shard: str, start: int) -> None:
+    """Append ids ``start .. start + ROWS - 1`` in four tasks, so both executors stage parts."""
     (
         spark.range(start, start + ROWS, numPartitions=4)
         .selectExpr("id", "concat('row-', id) AS name")
@@ -137,7 +140,8 @@ def main() -> None:
     first.stop()
     _write(spark, opts, source, 2 * ROWS)
     second = start(available_now=True)
-    second.awaitTermination(300)
+    if not second.awaitTermination(300):
+        raise SystemExit("the restarted query did not finish its availableNow run in 300 s")
     report["first_run_batches"] = len(first.recentProgress)
     report["sink"] = sorted(
         tuple(r)

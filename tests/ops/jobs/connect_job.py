@@ -47,7 +47,8 @@ def main() -> None:
         .trigger(availableNow=True)
         .start("connect-out")
     )
-    query.awaitTermination(300)
+    if not query.awaitTermination(300):
+        raise SystemExit("the streaming query did not finish its availableNow run in 300 s")
     report["query"] = f"{type(query).__module__}.{type(query).__name__}"
     got = spark.read.format("persist").load("connect-out").select("id", "_diff")
     report["stream"] = sorted(tuple(r) for r in got.collect())
