@@ -42,6 +42,13 @@ class SharedState:
             self._cond.notify_all()
             return True
 
+    def replace(self, state: ShardState) -> None:
+        """Install ``state`` even if it is not newer: the cached one proved not Consensus's."""
+        with self._cond:
+            self._state = state
+            self._stale_gen += 1
+            self._cond.notify_all()
+
     def wait_for_seqno_after(self, seqno: int, timeout_s: float) -> ShardState | None:
         """Block until the cached state is newer than ``seqno`` or the timeout passes.
 
