@@ -76,6 +76,14 @@ DEFAULT_ADDRESS = "127.0.0.1:6879"
 _OFF = ("", "off", "none", "false", "0", "no")
 TOKEN_ENV = "PERSIST_PUBSUB_TOKEN"
 """Environment variable holding the shared PubSub token (server and clients)."""
+TLS_CERT_ENV = "PERSIST_PUBSUB_TLS_CERT"
+"""Environment variable naming the PEM certificate a server (``serve`` or ``auto``) presents."""
+TLS_KEY_ENV = "PERSIST_PUBSUB_TLS_KEY"
+"""Environment variable naming the PEM private key of :data:`TLS_CERT_ENV`."""
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
 
 
 def connect(
@@ -128,11 +136,15 @@ def connect(
         consensus_uri,
         tls=tls,
         tls_ca=ca,
-        token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
+        token=token if token is not None else _env(TOKEN_ENV),
     )
 
 
 def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublisher:
+    """``auto``: the server one process starts for the others honours the same security
+    settings as ``persist pubsub serve``, from the environment: ``$PERSIST_PUBSUB_TOKEN``
+    (required of every client, sent by every client) and ``$PERSIST_PUBSUB_TLS_CERT`` /
+    ``$PERSIST_PUBSUB_TLS_KEY`` (served over TLS; clients trust that certificate)."""
     from .auto import AutoDiscovery, directory_for
 
     if directory is None:
@@ -145,7 +157,29 @@ def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublish
             return NoopPublisher()  # mem://: one process, the shared cache is enough
     from .grpc_client import GrpcPublisher
 
-    return GrpcPublisher(AutoDiscovery(directory), consensus_uri)
+    token = _env(TOKEN_ENV)
+    cert, key = read_tls_pair(_env(TLS_CERT_ENV), _env(TLS_KEY_ENV))
+    discovery = AutoDiscovery(directory, token=token, tls_cert=cert, tls_key=key)
+    return GrpcPublisher(discovery, consensus_uri, tls=cert is not None, tls_ca=cert, token=token)
+
+
+def read_tls_pair(cert_path: str | None, key_path: str | None) -> tuple[bytes | None, bytes | None]:
+    """The PEM bytes of a server certificate and its key (both or neither; InvalidUsage else)."""
+    if not cert_path and not key_path:
+        return None, None
+    if not (cert_path and key_path):
+        raise InvalidUsage(
+            "persist PubSub TLS needs both a certificate and its key (--tls-cert and --tls-key, "
+            f"or ${TLS_CERT_ENV} and ${TLS_KEY_ENV})"
+        )
+    try:
+        with open(cert_path, "rb") as f:
+            cert = f.read()
+        with open(key_path, "rb") as f:
+            key = f.read()
+    except OSError as e:
+        raise InvalidUsage(f"cannot read the PubSub TLS certificate or key: {e}") from e
+    return cert, key
 
 
 def serve(
@@ -159,17 +193,18 @@ def serve(
 ) -> int:
     """Run the PubSub server in the foreground until interrupted (``persist pubsub serve``).
 
-    ``tls_cert``/``tls_key``: PEM file paths; ``token``: required from every client
-    (default ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``.
+    ``tls_cert``/``tls_key``: PEM file paths (default ``$PERSIST_PUBSUB_TLS_CERT`` /
+    ``$PERSIST_PUBSUB_TLS_KEY``); ``token``: required from every client (default
+    ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``.
     """
     from .server import serve as _serve
 
     return _serve(
         host,
         port,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
+        tls_cert=tls_cert or _env(TLS_CERT_ENV),
+        tls_key=tls_key or _env(TLS_KEY_ENV),
+        token=token if token is not None else _env(TOKEN_ENV),
         allow_remote=allow_remote,
     )
 

@@ -310,14 +310,9 @@ def serve(
 ) -> int:
     """Run a PubSub server in the foreground until SIGINT/SIGTERM (the ``persist pubsub serve``
     command); ``tls_cert``/``tls_key`` are PEM file paths. Returns the exit status."""
-    cert = key = None
-    if tls_cert or tls_key:
-        if not (tls_cert and tls_key):
-            raise ValueError("persist PubSub TLS needs both --tls-cert and --tls-key")
-        with open(tls_cert, "rb") as f:
-            cert = f.read()
-        with open(tls_key, "rb") as f:
-            key = f.read()
+    from . import read_tls_pair
+
+    cert, key = read_tls_pair(tls_cert, tls_key)
     server = PubSubServer(
         host, port, tls_cert=cert, tls_key=key, token=token, allow_remote=allow_remote
     ).start()

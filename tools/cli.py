@@ -7,7 +7,8 @@ Commands::
     persist shards show NAME [--as-of T] [--limit N] [--json]   # contents as of a time
     persist shards compact NAME [--json]                 # compaction now
     persist shards gc NAME [--json]                      # GC now (with the orphan sweep)
-    persist pubsub serve [--host H] [--port P]           # the PubSub server, in the foreground
+    persist pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K] [--token T]
+                         [--allow-remote]                # the PubSub server, in the foreground
     persist bench core|maintenance|pubsub|spark-read|spark-write|load|all [flags]
     persist check [flags]                                # the consistency checker
 
@@ -841,7 +842,7 @@ def _add_pubsub(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def cmd_pubsub_serve(ns: argparse.Namespace) -> int:
-    """``persist pubsub serve [--host H] [--port P]`` (the flags of ``pyspark_persist.pubsub``)."""
+    """``persist pubsub serve``: every flag of ``python -m pyspark_persist.pubsub serve``."""
     from pyspark_persist.pubsub import serve
     from pyspark_persist.pubsub.__main__ import add_serve_arguments
 
@@ -851,7 +852,14 @@ def cmd_pubsub_serve(ns: argparse.Namespace) -> int:
     )
     add_serve_arguments(parser)
     args = parser.parse_args(ns.rest)
-    return serve(args.host, args.port)
+    return serve(
+        args.host,
+        args.port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        token=args.token,
+        allow_remote=args.allow_remote,
+    )
 
 
 def _add_check(sub: argparse._SubParsersAction[_Parser]) -> None:
