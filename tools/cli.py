@@ -559,25 +559,41 @@ def _check_as_of(state: ShardState, as_of: int | None) -> int:
 
 
 def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
-    """The shard's consolidated contents at ``as_of``, fetched part by part with a progress bar."""
+    """The shard's consolidated contents at ``as_of``, fetched part by part with a progress bar.
+
+    Read-only: no reader is registered (that would write to Consensus), so
+    nothing holds the parts. If GC deletes one meanwhile, the newer state no
+    longer names it: read the state again and fetch its parts instead.
+    """
     import pyarrow as pa
 
+    from pyspark_persist.state.errors import PartNotFound
     from pyspark_persist.state.parts import consolidate, data_schema
+    from pyspark_persist.state.read import iter_parts, snapshot_parts
 
-    as_of = _check_as_of(shard.state(), as_of)  # before registering a reader: nothing written
-    with shard.reader(f"cli-show-{os.getpid()}-{time.time_ns()}") as reader:
-        snap = reader.snapshot(as_of)
+    for _attempt in range(_SHOW_ATTEMPTS):
+        state = shard.state()
+        at = _check_as_of(state, as_of)
+        parts = snapshot_parts(state, at, shard.client.blob.uri)
+        progress = Progress(f"reading {shard.name}", len(parts))
+        tables: list[pa.Table] = []
         try:
-            progress = Progress(f"reading {shard.name}", len(snap.parts))
-            tables = []
-            for part in snap.parts:
-                tables.append(reader.fetch([part]))
+            for part in parts:
+                tables.extend(iter_parts(shard.client.blob, [part]))
                 progress.advance()
-            progress.close()
+        except PartNotFound:
+            continue
         finally:
-            reader.release(snap.seqno)
-    table = pa.concat_tables(tables) if tables else data_schema(shard.schema).empty_table()
-    return as_of, consolidate(table, shard.schema.names)
+            progress.close()
+        table = pa.concat_tables(tables) if tables else data_schema(shard.schema).empty_table()
+        return at, consolidate(table, shard.schema.names)
+    raise CliError(
+        f"shard {shard.name!r} kept changing under the read (its parts were compacted and "
+        f"deleted {_SHOW_ATTEMPTS} times): try again, or with a later --as-of"
+    )
+
+
+_SHOW_ATTEMPTS = 5
 
 
 def cmd_show(ns: argparse.Namespace) -> int:

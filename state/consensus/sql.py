@@ -112,6 +112,10 @@ _POSTGRES_HINT = (
     "is PostgreSQL running and reachable? check host, port, database and user "
     "(passwords come from the URI, PGPASSWORD or ~/.pgpass)"
 )
+_POSTGRES_REFUSED_HINT = (
+    "PostgreSQL refused it: check the user, its password and its privileges on the consensus "
+    "table (a read-only role can run read-only commands only)"
+)
 _SQLITE_HINT = "check that the path names a file (not a directory) in a writable directory"
 
 
@@ -463,24 +467,29 @@ class SqlConsensus(Consensus):
         return _PERMANENT
 
     def _surely_not_applied(self, exc: SQLAlchemyError) -> bool:
-        """Whether a failed statement is known to have been rolled back (so a CaS did not land).
+        """Whether a failed statement is known not to have committed (so a CaS did not land).
 
-        SQLite's busy/locked refuse before writing; PostgreSQL's serialization
-        failures and deadlocks abort the transaction; a missing table or a
-        statement that never reached the server did nothing either.
+        SQLite's busy/locked refuse before writing. PostgreSQL runs each
+        statement in its own transaction (autocommit), so an error the server
+        reports for it (a SQLSTATE) means it was rolled back, except for the
+        classes that can strike after the commit: connection exceptions (08),
+        operator intervention such as a shutdown (57), system and internal
+        errors (58, XX). Without a SQLSTATE the connection failed: unknown.
         """
         if self._sqlite:
             return self._kind(exc) in (_TRANSIENT, _NO_TABLE)
         orig = exc.orig if isinstance(exc, DBAPIError) else None
         state = getattr(orig, "sqlstate", None)
-        return state in _ROLLED_BACK_SQLSTATES or state == "42P01"
+        return state is not None and state[:2] not in _AMBIGUOUS_SQLSTATE_CLASSES
 
     def _unavailable(self, what: str, exc: Exception, waited: str = "") -> StoreUnavailable:
         after = f" ({waited})" if waited else ""
+        transient = not isinstance(exc, SQLAlchemyError) or self._kind(exc) != _PERMANENT
+        hint = self._hint if transient or self._sqlite else _POSTGRES_REFUSED_HINT
         return StoreUnavailable(
             f"consensus store {self._uri} unavailable while {what}{after}: "
-            f"{self._detail(exc)}; {self._hint}",
-            transient=not isinstance(exc, SQLAlchemyError) or self._kind(exc) != _PERMANENT,
+            f"{self._detail(exc)}; {hint}",
+            transient=transient,
         )
 
     def _detail(self, exc: Exception) -> str:
@@ -506,14 +515,19 @@ _TRANSIENT = "transient"
 _NO_TABLE = "no table"
 _PERMANENT = "permanent"
 
-_ROLLED_BACK_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
-"""serialization_failure, deadlock_detected, lock_not_available: the statement was undone."""
-_TRANSIENT_SQLSTATES = _ROLLED_BACK_SQLSTATES | {
-    "57P01",  # admin_shutdown: the server is stopping (restart in progress)
-    "57P02",  # crash_shutdown
-    "57P03",  # cannot_connect_now: starting up or shutting down
-    "53300",  # too_many_connections
-}
+_AMBIGUOUS_SQLSTATE_CLASSES = frozenset({"08", "57", "58", "XX"})
+"""SQLSTATE classes a statement may fail with after its transaction committed."""
+_TRANSIENT_SQLSTATES = frozenset(
+    {
+        "40001",  # serialization_failure
+        "40P01",  # deadlock_detected
+        "55P03",  # lock_not_available
+        "57P01",  # admin_shutdown: the server is stopping (restart in progress)
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now: starting up or shutting down
+        "53300",  # too_many_connections
+    }
+)
 """SQLSTATEs worth retrying (besides class 08, connection exceptions)."""
 
 
