@@ -10,19 +10,25 @@ interval later.
 
 With PubSub, every successful compare-and-set also *pushes* its diff (the
 very bytes it stored as the new Consensus row) to the other processes that
-hold the shard. Each of them applies it to its one cached state per shard
-(:class:`~pyspark_persist.state.cache.SharedState`) if, and only if, it
-follows the cached SeqNo exactly, and wakes its waiting listens: a reader
-sees a write in about a millisecond, and an idle one stops querying
-Consensus (it polls every ``listen_poll_pushed_s``, 5 s, as a safety net).
-A diff that is late, duplicated, out of order or lost changes nothing
-wrong: a duplicate is ignored, a gap makes the reader fetch from Consensus
-now, and a missing one is found by the safety-net poll.
+hold the shard. A push is a hint, never trusted on its own: anyone who can
+reach the server could forge, replay or reorder one. A process that receives
+a diff past the SeqNo it holds reads Consensus at once (one indexed scan of
+the rows after its SeqNo) and installs what Consensus holds into its one
+cached state per shard (:class:`~pyspark_persist.state.cache.SharedState`),
+waking its waiting listens: a reader sees a write about a millisecond after
+it committed, and an idle one stops querying Consensus (it polls every
+``listen_poll_pushed_s``, 5 s, as a safety net). A forged diff costs that
+process one read and changes nothing; a duplicate or old one is ignored; a
+lost one is found by the next push or the safety-net poll.
 
 PubSub is about latency and load only, never correctness. It is off by
 default; with it off, slow, broken or killed, every write still succeeds
-(a push only enqueues) and every reader keeps up by polling, picking pushes
-up again when they come back.
+(a push only enqueues) and every reader keeps up by polling at the polling
+cadence (a Spark source's ``latestOffset`` reads Consensus whenever the
+shard is not currently delivered), picking pushes up again when the
+connection comes back (it reconnects in the background). The server bounds
+what it holds for each subscriber, in messages and bytes, and drops one that
+falls behind; that subscriber reconnects and catches up from Consensus.
 
 Inside one Python process nothing goes over the network: handles to one
 shard share one cached state and wake each other directly; a diff this
@@ -53,8 +59,9 @@ Example (counters: pushed, applied_cleanly, fallback_polls, latency...):
 >>> client.pubsub_metrics()
 
 Counters (:class:`PubSubMetrics`): diffs pushed, dropped, received,
-applied cleanly, applied out of order, duplicates, approximate push-to-apply
-latency; ``PersistClient.pubsub_metrics()`` adds the listens' fallback polls.
+confirmed by Consensus (``applied_cleanly``), ``unconfirmed``, duplicates,
+approximate push-to-apply latency; ``PersistClient.pubsub_metrics()`` adds
+the listens' fallback polls.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def _subscribe(address: str, *, token: str | None = None, ca: bytes | None = Non
     )
     with channel:
         stub = pb_grpc.ProtoPersistPubSubStub(channel)
-        request = pb.ProtoPubSubMessage(subscribe=pb.ProtoSubscribe(shard="tag/shard"))
+        request = pb.ProtoPubSubMessage(subscribe=pb.ProtoSubscribe(shard="0123456789abcdef/shard"))
         metadata = (("x-persist-token", token),) if token else None
         try:
             for msg in stub.PubSub(iter([request]), metadata=metadata, timeout=5):
