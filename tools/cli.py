@@ -859,23 +859,14 @@ def _add_pubsub(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 def cmd_pubsub_serve(ns: argparse.Namespace) -> int:
     """``persist pubsub serve``: every flag of ``python -m pyspark_persist.pubsub serve``."""
-    from pyspark_persist.pubsub import serve
-    from pyspark_persist.pubsub.__main__ import add_serve_arguments
+    from pyspark_persist.pubsub.__main__ import add_serve_arguments, serve_parsed
 
     parser = _Parser(
         prog="persist pubsub serve",
         description="Serve persist PubSub in the foreground until interrupted.",
     )
     add_serve_arguments(parser)
-    args = parser.parse_args(ns.rest)
-    return serve(
-        args.host,
-        args.port,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        token=args.token,
-        allow_remote=args.allow_remote,
-    )
+    return serve_parsed(parser.parse_args(ns.rest))
 
 
 def _add_check(sub: argparse._SubParsersAction[_Parser]) -> None:
