@@ -1,14 +1,23 @@
 """The options of ``format("persist")``, parsed once into a frozen dataclass.
 
-Spark hands options over case-insensitively (keys lower-cased); each known
-key is a constant below with its default. Unknown keys, keys that do not
-apply to the operation (a read limit on a write), malformed values and
-contradictory combinations are all errors that name the option and the fix,
-raised on the driver before any task runs.
+Spark hands options over case-insensitively (it lower-cases the keys before the
+source sees them), and adds some of its own: ``path`` (or ``paths``) from
+``.load(path)`` / ``.save(path)`` / ``.start(path)``, ``checkpointLocation`` and
+``queryName`` for streaming writes. Every name persist accepts, its own and
+Spark's, is one line of :data:`OPTIONS`: the spelling users read in docs and
+errors, the setting it feeds, and the operations it applies to. An alias (the
+``path`` Spark passes for the shard name, or another system's name for one of
+persist's settings) is one more line naming the same setting.
+
+Unknown keys (with a "did you mean" when one is close), keys that do not apply
+to the operation (a read limit on a write), malformed values and contradictory
+combinations are all errors that name the option, in the spelling the user
+gave, and the fix, raised on the driver before any task runs.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,8 +32,8 @@ from pyspark_persist.state.errors import InvalidUsage
 
 Purpose = Literal["read", "stream_read", "read_schema", "write", "stream_write"]
 
+# The settings: each the lower-cased name of its main option, which is how parse() keys them.
 SHARD = "shard"
-PATH = "path"  # what load(path) / save(path) pass: an alias of shard
 BLOB = "blob"
 CONSENSUS = "consensus"
 PUBSUB = "pubsub"
@@ -39,40 +48,74 @@ MIN_PARTITIONS = "minpartitions"
 FAIL_ON_DATA_LOSS = "failondataloss"
 WRITER_ID = "writerid"
 PART_SIZE = "partsizebytes"
-CHECKPOINT = "checkpointlocation"  # passed by Spark for streaming writes
+CHECKPOINT = "checkpointlocation"
 FILTER_PUSHDOWN = "filterpushdown"
+QUERY_NAME = "queryname"
+PATHS = "paths"
 
 DEFAULT_SPLIT_SIZE = 64 << 20
 DEFAULT_MIN_PARTITIONS = 1
 
-_COMMON = {SHARD, PATH, BLOB, CONSENSUS, PUBSUB}
-_ALLOWED: dict[str, set[str]] = {
-    "read": _COMMON | {AS_OF, SPLIT_SIZE, MIN_PARTITIONS, FILTER_PUSHDOWN},
-    "stream_read": _COMMON
-    | {
-        STARTING_POSITION,
-        STARTING_AS_OF,
-        MAX_BYTES,
-        MAX_FILES,
-        MAX_ROWS,
-        SPLIT_SIZE,
-        MIN_PARTITIONS,
-        FAIL_ON_DATA_LOSS,
-    },
-    "read_schema": set(),  # filled below: anything a batch or streaming read accepts
-    "write": _COMMON | {WRITER_ID, PART_SIZE},
-    "stream_write": _COMMON | {WRITER_ID, PART_SIZE, CHECKPOINT},
+_ALL: frozenset[Purpose] = frozenset({"read", "stream_read", "write", "stream_write"})
+_READS: frozenset[Purpose] = frozenset({"read", "stream_read"})
+_WRITES: frozenset[Purpose] = frozenset({"write", "stream_write"})
+_READ: frozenset[Purpose] = frozenset({"read"})
+_STREAM_READ: frozenset[Purpose] = frozenset({"stream_read"})
+_STREAM_WRITE: frozenset[Purpose] = frozenset({"stream_write"})
+
+
+@dataclass(frozen=True)
+class OptionName:
+    """One name ``format("persist")`` accepts: its spelling, the setting it feeds, and where."""
+
+    spelling: str
+    setting: str
+    purposes: frozenset[Purpose]
+
+
+OPTIONS: tuple[OptionName, ...] = (
+    OptionName("shard", SHARD, _ALL),
+    OptionName("path", SHARD, _ALL),  # Spark's, from .load(path) / .save(path) / .start(path)
+    OptionName("paths", PATHS, _READS),  # Spark's, from .load([p1, p2]): refused, one shard
+    OptionName("blob", BLOB, _ALL),
+    OptionName("consensus", CONSENSUS, _ALL),
+    OptionName("pubsub", PUBSUB, _ALL),
+    OptionName("startingPosition", STARTING_POSITION, _STREAM_READ),
+    OptionName("startingAsOf", STARTING_AS_OF, _STREAM_READ),
+    OptionName("asOf", AS_OF, _READ),
+    OptionName("maxBytesPerTrigger", MAX_BYTES, _STREAM_READ),
+    OptionName("maxFilesPerTrigger", MAX_FILES, _STREAM_READ),
+    OptionName("maxRowsPerTrigger", MAX_ROWS, _STREAM_READ),
+    OptionName("splitSizeBytes", SPLIT_SIZE, _READS),
+    OptionName("minPartitions", MIN_PARTITIONS, _READS),
+    OptionName("failOnDataLoss", FAIL_ON_DATA_LOSS, _STREAM_READ),
+    OptionName("filterPushdown", FILTER_PUSHDOWN, _READ),
+    OptionName("writerId", WRITER_ID, _WRITES),
+    OptionName("partSizeBytes", PART_SIZE, _WRITES),
+    OptionName("checkpointLocation", CHECKPOINT, _STREAM_WRITE),  # Spark's, for streaming
+    OptionName("queryName", QUERY_NAME, _STREAM_WRITE),  # Spark's, from .queryName(name)
+)
+_BY_KEY = {o.spelling.lower(): o for o in OPTIONS}
+SPELLING = {key: o.spelling for key, o in _BY_KEY.items()}
+"""The user-facing spelling of every accepted (lower-cased) key, for messages and the README."""
+_SPARKS = frozenset({"path", "paths", CHECKPOINT, QUERY_NAME})
+"""Names Spark itself passes: never listed as valid choices in a message."""
+
+
+_LABELS: dict[Purpose, str] = {
+    "read": "batch reads",
+    "stream_read": "stream reads",
+    "read_schema": "reads",
+    "write": "batch writes",
+    "stream_write": "stream writes",
 }
-_ALLOWED["read_schema"] = _ALLOWED["read"] | _ALLOWED["stream_read"]
-# The user-facing spelling of every key, for error messages and the README.
-SPELLING = {
-    k.lower(): k
-    for k in (
-        "shard path blob consensus pubsub startingPosition startingAsOf asOf "
-        "maxBytesPerTrigger maxFilesPerTrigger maxRowsPerTrigger splitSizeBytes minPartitions "
-        "failOnDataLoss writerId partSizeBytes checkpointLocation filterPushdown"
-    ).split()
-}
+
+
+def _applies(option: OptionName, purpose: Purpose) -> bool:
+    if purpose == "read_schema":  # the schema of a batch or streaming read
+        return bool(option.purposes & _READS)
+    return purpose in option.purposes
+
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -102,42 +145,36 @@ class PersistOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str], purpose: Purpose) -> PersistOptions:
         """Validate Spark's options for ``purpose``; raise InvalidUsage naming any bad one."""
-        opts = {str(k).lower(): str(v) for k, v in options.items()}
-        allowed = _ALLOWED[purpose]
-        unknown = sorted(k for k in opts if k not in allowed)
-        if unknown:
-            names = ", ".join(SPELLING.get(k, k) for k in unknown)
-            valid = ", ".join(sorted(SPELLING[k] for k in allowed if k != PATH))
+        given = {str(k).lower(): str(v) for k, v in options.items()}
+        _refuse_misplaced(given, purpose)
+        opts, said = _settings(given)
+        if PATHS in opts:
             raise InvalidUsage(
-                f"persist: option(s) {names} not valid for {purpose.replace('_', ' ')}; "
-                f"valid options: {valid}"
+                f"persist: a read names one shard, not several paths ({opts[PATHS]}): use "
+                '.load("name") or .option("shard", "name")'
             )
-        shard = opts.get(SHARD)
-        path = opts.get(PATH)
-        if shard and path and shard != path:
-            raise InvalidUsage(
-                f"persist: option shard={shard!r} contradicts the load()/save() path {path!r}; "
-                "give the shard name once"
-            )
-        name = shard or path
+        name = opts.get(SHARD)
         if not name:
             raise InvalidUsage(
                 'persist: no shard named: use .option("shard", "name") or '
-                '.load("name") / .save("name")'
+                '.load("name") / .save("name") / .start("name")'
             )
-        validate_shard_name(name)
+        try:
+            validate_shard_name(name)
+        except InvalidUsage as e:
+            raise InvalidUsage(f"persist: option {said[SHARD]}: {e}") from None
         position = opts.get(STARTING_POSITION, "earliest").lower()
         if position not in ("earliest", "latest"):
             raise InvalidUsage(
                 f"persist: startingPosition={position!r}: use 'earliest' (the snapshot, then "
                 "changes) or 'latest' (only new changes); for a time use startingAsOf"
             )
-        starting_as_of = _int(opts, STARTING_AS_OF)
+        starting_as_of = _int(opts, said, STARTING_AS_OF)
         if starting_as_of is not None and STARTING_POSITION in opts:
             raise InvalidUsage(
                 "persist: startingPosition and startingAsOf contradict each other; give one"
             )
-        limits = [SPELLING[k] for k in (MAX_BYTES, MAX_FILES, MAX_ROWS) if opts.get(k)]
+        limits = [said[k] for k in (MAX_BYTES, MAX_FILES, MAX_ROWS) if opts.get(k)]
         if len(limits) > 1:
             raise InvalidUsage(
                 f"persist: read limits {', '.join(limits)} contradict each other (Spark passes "
@@ -151,52 +188,110 @@ class PersistOptions:
             pubsub=None if pubsub in (None, "", "off", "none") else pubsub,
             starting_position="latest" if position == "latest" else "earliest",
             starting_as_of=starting_as_of,
-            as_of=_int(opts, AS_OF),
-            max_bytes=_size(opts, MAX_BYTES),
-            max_files=_int(opts, MAX_FILES, minimum=1),
-            max_rows=_int(opts, MAX_ROWS, minimum=1),
-            split_size_bytes=_size(opts, SPLIT_SIZE) or DEFAULT_SPLIT_SIZE,
-            min_partitions=_int(opts, MIN_PARTITIONS, minimum=1) or DEFAULT_MIN_PARTITIONS,
-            fail_on_data_loss=_bool(opts, FAIL_ON_DATA_LOSS, default=True),
+            as_of=_int(opts, said, AS_OF),
+            max_bytes=_size(opts, said, MAX_BYTES),
+            max_files=_int(opts, said, MAX_FILES, minimum=1),
+            max_rows=_int(opts, said, MAX_ROWS, minimum=1),
+            split_size_bytes=_size(opts, said, SPLIT_SIZE) or DEFAULT_SPLIT_SIZE,
+            min_partitions=_int(opts, said, MIN_PARTITIONS, minimum=1) or DEFAULT_MIN_PARTITIONS,
+            fail_on_data_loss=_bool(opts, said, FAIL_ON_DATA_LOSS, default=True),
             writer_id=opts.get(WRITER_ID) or None,
-            part_size_bytes=_size(opts, PART_SIZE),
+            part_size_bytes=_size(opts, said, PART_SIZE),
             checkpoint_location=opts.get(CHECKPOINT) or None,
-            filter_pushdown=_bool(opts, FILTER_PUSHDOWN, default=False),
+            filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
         )
 
 
-def _int(opts: Mapping[str, str], key: str, minimum: int = 0) -> int | None:
+def _refuse_misplaced(given: Mapping[str, str], purpose: Purpose) -> None:
+    """Refuse keys persist does not know (suggesting the closest) or that do not apply here."""
+    bad = sorted(k for k in given if k not in _BY_KEY or not _applies(_BY_KEY[k], purpose))
+    if not bad:
+        return
+    valid = sorted(
+        o.spelling for o in OPTIONS if _applies(o, purpose) and o.spelling.lower() not in _SPARKS
+    )
+    hints = []
+    for key in bad:
+        option = _BY_KEY.get(key)
+        if option is not None:
+            where = sorted(_LABELS[p] for p in option.purposes)
+            hints.append(f"{option.spelling} applies to {' and '.join(where)} only")
+            continue
+        close = difflib.get_close_matches(key, [o.lower() for o in valid], n=1, cutoff=0.75)
+        if close:
+            hints.append(f"{key}: did you mean {SPELLING[close[0]]}?")
+    names = ", ".join(SPELLING.get(k, k) for k in bad)
+    raise InvalidUsage(
+        f"persist: option(s) {names} not valid for {purpose.replace('_', ' ')}"
+        + (f" ({'; '.join(hints)})" if hints else "")
+        + f"; valid options: {', '.join(valid)}"
+    )
+
+
+def _settings(given: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Each setting's value, and the spelling of the option that gave it (for messages).
+
+    Two names of one setting (``shard`` and the ``path`` Spark passes, or an alias)
+    must agree; an empty value counts as not given.
+    """
+    opts: dict[str, str] = {}
+    said: dict[str, str] = {}
+    for key, value in sorted(given.items()):
+        option = _BY_KEY[key]
+        setting = option.setting
+        if setting in opts and value and opts[setting] and opts[setting] != value:
+            first, second = said[setting], option.spelling
+            if {first, second} == {"shard", "path"}:
+                shard = value if second == "shard" else opts[setting]
+                path = value if second == "path" else opts[setting]
+                raise InvalidUsage(
+                    f"persist: option shard={shard!r} contradicts the "
+                    f"load()/save()/start() path {path!r}; give the shard name once"
+                )
+            raise InvalidUsage(
+                f"persist: options {first}={opts[setting]!r} and {second}={value!r} set the "
+                "same thing; give one"
+            )
+        if value or setting not in opts:
+            opts[setting] = value
+            said[setting] = option.spelling
+    for setting in _BY_KEY:
+        said.setdefault(setting, SPELLING[setting])
+    return opts, said
+
+
+def _int(
+    opts: Mapping[str, str], said: Mapping[str, str], key: str, minimum: int = 0
+) -> int | None:
     raw = opts.get(key)
     if raw is None or raw == "":
         return None
     try:
         value = int(raw)
     except ValueError:
-        raise InvalidUsage(
-            f"persist: option {SPELLING[key]}={raw!r} must be a whole number"
-        ) from None
+        raise InvalidUsage(f"persist: option {said[key]}={raw!r} must be a whole number") from None
     if value < minimum:
-        raise InvalidUsage(f"persist: option {SPELLING[key]}={raw!r} must be at least {minimum}")
+        raise InvalidUsage(f"persist: option {said[key]}={raw!r} must be at least {minimum}")
     return value
 
 
-def _size(opts: Mapping[str, str], key: str) -> int | None:
+def _size(opts: Mapping[str, str], said: Mapping[str, str], key: str) -> int | None:
     raw = opts.get(key)
     if raw is None or raw == "":
         return None
     m = _SIZE_RE.match(raw)
     if not m:
         raise InvalidUsage(
-            f"persist: option {SPELLING[key]}={raw!r} must be a size in bytes, e.g. 1048576, "
+            f"persist: option {said[key]}={raw!r} must be a size in bytes, e.g. 1048576, "
             "512k, 64m or 1g"
         )
     value = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}[m.group(2).lower()]
     if value < 1:
-        raise InvalidUsage(f"persist: option {SPELLING[key]}={raw!r} must be at least 1 byte")
+        raise InvalidUsage(f"persist: option {said[key]}={raw!r} must be at least 1 byte")
     return value
 
 
-def _bool(opts: Mapping[str, str], key: str, default: bool) -> bool:
+def _bool(opts: Mapping[str, str], said: Mapping[str, str], key: str, default: bool) -> bool:
     raw = opts.get(key)
     if raw is None:
         return default
@@ -204,4 +299,4 @@ def _bool(opts: Mapping[str, str], key: str, default: bool) -> bool:
         return True
     if raw.lower() in ("false", "0", "no"):
         return False
-    raise InvalidUsage(f"persist: option {SPELLING[key]}={raw!r} must be true or false")
+    raise InvalidUsage(f"persist: option {said[key]}={raw!r} must be true or false")

@@ -228,8 +228,10 @@ class LeaseHolder:
         return self._shard.machine
 
     def current_state(self) -> ShardState:
-        """The newest state: pushed by PubSub when it is on, else read from Consensus now."""
-        if self._opts.pubsub is not None:
+        """The newest state: the cached one while PubSub delivers this shard (every push
+        was confirmed against Consensus), else read from Consensus now (PubSub off, broken,
+        or reconnecting: never staler than polling)."""
+        if self._opts.pubsub is not None and self.machine.shared.push_healthy:
             return self.machine.state()
         return self.machine.fetch_latest()
 

@@ -10,19 +10,25 @@ interval later.
 
 With PubSub, every successful compare-and-set also *pushes* its diff (the
 very bytes it stored as the new Consensus row) to the other processes that
-hold the shard. Each of them applies it to its one cached state per shard
-(:class:`~pyspark_persist.state.cache.SharedState`) if, and only if, it
-follows the cached SeqNo exactly, and wakes its waiting listens: a reader
-sees a write in about a millisecond, and an idle one stops querying
-Consensus (it polls every ``listen_poll_pushed_s``, 5 s, as a safety net).
-A diff that is late, duplicated, out of order or lost changes nothing
-wrong: a duplicate is ignored, a gap makes the reader fetch from Consensus
-now, and a missing one is found by the safety-net poll.
+hold the shard. A push is a hint, never trusted on its own: anyone who can
+reach the server could forge, replay or reorder one. A process that receives
+a diff past the SeqNo it holds reads Consensus at once (one indexed scan of
+the rows after its SeqNo) and installs what Consensus holds into its one
+cached state per shard (:class:`~pyspark_persist.state.cache.SharedState`),
+waking its waiting listens: a reader sees a write about a millisecond after
+it committed, and an idle one stops querying Consensus (it polls every
+``listen_poll_pushed_s``, 5 s, as a safety net). A forged diff costs that
+process one read and changes nothing; a duplicate or old one is ignored; a
+lost one is found by the next push or the safety-net poll.
 
 PubSub is about latency and load only, never correctness. It is off by
 default; with it off, slow, broken or killed, every write still succeeds
-(a push only enqueues) and every reader keeps up by polling, picking pushes
-up again when they come back.
+(a push only enqueues) and every reader keeps up by polling at the polling
+cadence (a Spark source's ``latestOffset`` reads Consensus whenever the
+shard is not currently delivered), picking pushes up again when the
+connection comes back (it reconnects in the background). The server bounds
+what it holds for each subscriber, in messages and bytes, and drops one that
+falls behind; that subscriber reconnects and catches up from Consensus.
 
 Inside one Python process nothing goes over the network: handles to one
 shard share one cached state and wake each other directly; a diff this
@@ -53,8 +59,9 @@ Example (counters: pushed, applied_cleanly, fallback_polls, latency...):
 >>> client.pubsub_metrics()
 
 Counters (:class:`PubSubMetrics`): diffs pushed, dropped, received,
-applied cleanly, applied out of order, duplicates, approximate push-to-apply
-latency; ``PersistClient.pubsub_metrics()`` adds the listens' fallback polls.
+confirmed by Consensus (``applied_cleanly``), ``unconfirmed``, duplicates,
+approximate push-to-apply latency; ``PersistClient.pubsub_metrics()`` adds
+the listens' fallback polls.
 """
 
 from __future__ import annotations
@@ -76,6 +83,14 @@ DEFAULT_ADDRESS = "127.0.0.1:6879"
 _OFF = ("", "off", "none", "false", "0", "no")
 TOKEN_ENV = "PERSIST_PUBSUB_TOKEN"
 """Environment variable holding the shared PubSub token (server and clients)."""
+TLS_CERT_ENV = "PERSIST_PUBSUB_TLS_CERT"
+"""Environment variable naming the PEM certificate a server (``serve`` or ``auto``) presents."""
+TLS_KEY_ENV = "PERSIST_PUBSUB_TLS_KEY"
+"""Environment variable naming the PEM private key of :data:`TLS_CERT_ENV`."""
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
 
 
 def connect(
@@ -128,11 +143,15 @@ def connect(
         consensus_uri,
         tls=tls,
         tls_ca=ca,
-        token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
+        token=token if token is not None else _env(TOKEN_ENV),
     )
 
 
 def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublisher:
+    """``auto``: the server one process starts for the others honours the same security
+    settings as ``persist pubsub serve``, from the environment: ``$PERSIST_PUBSUB_TOKEN``
+    (required of every client, sent by every client) and ``$PERSIST_PUBSUB_TLS_CERT`` /
+    ``$PERSIST_PUBSUB_TLS_KEY`` (served over TLS; clients trust that certificate)."""
     from .auto import AutoDiscovery, directory_for
 
     if directory is None:
@@ -145,7 +164,29 @@ def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublish
             return NoopPublisher()  # mem://: one process, the shared cache is enough
     from .grpc_client import GrpcPublisher
 
-    return GrpcPublisher(AutoDiscovery(directory), consensus_uri)
+    token = _env(TOKEN_ENV)
+    cert, key = read_tls_pair(_env(TLS_CERT_ENV), _env(TLS_KEY_ENV))
+    discovery = AutoDiscovery(directory, token=token, tls_cert=cert, tls_key=key)
+    return GrpcPublisher(discovery, consensus_uri, tls=cert is not None, tls_ca=cert, token=token)
+
+
+def read_tls_pair(cert_path: str | None, key_path: str | None) -> tuple[bytes | None, bytes | None]:
+    """The PEM bytes of a server certificate and its key (both or neither; InvalidUsage else)."""
+    if not cert_path and not key_path:
+        return None, None
+    if not (cert_path and key_path):
+        raise InvalidUsage(
+            "persist PubSub TLS needs both a certificate and its key (--tls-cert and --tls-key, "
+            f"or ${TLS_CERT_ENV} and ${TLS_KEY_ENV})"
+        )
+    try:
+        with open(cert_path, "rb") as f:
+            cert = f.read()
+        with open(key_path, "rb") as f:
+            key = f.read()
+    except OSError as e:
+        raise InvalidUsage(f"cannot read the PubSub TLS certificate or key: {e}") from e
+    return cert, key
 
 
 def serve(
@@ -159,17 +200,18 @@ def serve(
 ) -> int:
     """Run the PubSub server in the foreground until interrupted (``persist pubsub serve``).
 
-    ``tls_cert``/``tls_key``: PEM file paths; ``token``: required from every client
-    (default ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``.
+    ``tls_cert``/``tls_key``: PEM file paths (default ``$PERSIST_PUBSUB_TLS_CERT`` /
+    ``$PERSIST_PUBSUB_TLS_KEY``); ``token``: required from every client (default
+    ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``.
     """
     from .server import serve as _serve
 
     return _serve(
         host,
         port,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        token=token if token is not None else os.environ.get(TOKEN_ENV) or None,
+        tls_cert=tls_cert or _env(TLS_CERT_ENV),
+        tls_key=tls_key or _env(TLS_KEY_ENV),
+        token=token if token is not None else _env(TOKEN_ENV),
         allow_remote=allow_remote,
     )
 

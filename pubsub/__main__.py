@@ -47,7 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     add_serve_arguments(sub.add_parser("serve", help="serve PubSub until interrupted"))
-    ns = parser.parse_args(argv)
+    return serve_parsed(parser.parse_args(argv))
+
+
+def serve_parsed(ns: argparse.Namespace) -> int:
+    """Run the server with every flag :func:`add_serve_arguments` parsed (one place, so no
+    entry point can drop a security flag)."""
     return serve(
         ns.host,
         ns.port,

@@ -50,10 +50,23 @@ os.register_at_fork(after_in_child=_close_locks_in_child)
 
 
 class AutoDiscovery:
-    """Returns the address of this directory's PubSub server, serving it if nobody does."""
+    """Returns the address of this directory's PubSub server, serving it if nobody does.
 
-    def __init__(self, directory: str) -> None:
+    A server this process starts requires ``token`` and serves TLS with
+    ``tls_cert``/``tls_key`` (PEM bytes) when given, as ``persist pubsub serve`` would.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        token: str | None = None,
+        tls_cert: bytes | None = None,
+        tls_key: bytes | None = None,
+    ) -> None:
         self.directory = os.path.abspath(directory)
+        self._token = token
+        self._tls = (tls_cert, tls_key)
         self.addr_path = os.path.join(self.directory, ADDR_FILE)
         self.lock_path = os.path.join(self.directory, LOCK_FILE)
 
@@ -90,7 +103,9 @@ class AutoDiscovery:
             os.close(fd)
             return False  # someone alive serves (or is about to)
         try:
-            server = PubSubServer("127.0.0.1", 0).start()
+            server = PubSubServer(
+                "127.0.0.1", 0, tls_cert=self._tls[0], tls_key=self._tls[1], token=self._token
+            ).start()
             tmp = f"{self.addr_path}.{os.getpid()}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(server.address + "\n")

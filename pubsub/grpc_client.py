@@ -24,12 +24,17 @@ import grpc
 
 from . import persist_pubsub_pb2 as pb
 from . import persist_pubsub_pb2_grpc as pb_grpc
+from .server import KEEPALIVE_MIN_PING_INTERVAL_MS, MAX_MESSAGE_BYTES
 from .subscriptions import BasePublisher
 
 log = logging.getLogger(__name__)
 
+MAX_PUSHED_DIFF_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
+"""Diffs larger than this are pushed empty (a SeqNo alone): the server's message limit."""
+
 CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
+    # At least the server's KEEPALIVE_MIN_PING_INTERVAL_MS, or it answers GOAWAY too_many_pings.
+    ("grpc.keepalive_time_ms", 2 * KEEPALIVE_MIN_PING_INTERVAL_MS),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
@@ -90,6 +95,8 @@ class GrpcPublisher(BasePublisher):
     # -- hooks -----------------------------------------------------------------------
 
     def _on_push(self, topic: str, seqno: int, data: bytes, pushed_at_us: int) -> None:
+        if len(data) > MAX_PUSHED_DIFF_BYTES:
+            data = b""  # receivers read Consensus for it anyway; the server refuses large messages
         msg = pb.ProtoPubSubMessage(
             push_diff=pb.ProtoPushDiff(
                 shard_id=topic, seqno=seqno, diff=data, pushed_at_us=pushed_at_us

@@ -26,15 +26,16 @@ class PubSubMetrics:
     received: int = 0
     """Diffs that arrived for a subscribed shard."""
     applied_cleanly: int = 0
-    """Received diffs that followed the cached SeqNo exactly and were applied."""
-    applied_out_of_order: int = 0
-    """Received diffs with a gap before them: the shard read Consensus instead."""
+    """Received diffs past the cached SeqNo that Consensus confirmed: its rows were installed."""
+    unconfirmed: int = 0
+    """Received diffs past the cached SeqNo that Consensus did not hold (forged, or the read
+    failed): ignored."""
     duplicates: int = 0
     """Received diffs already in the cached state (delivered twice, or seen in-process)."""
     not_subscribed: int = 0
     """Received diffs for a shard this process is not subscribed to (ignored)."""
     notified: int = 0
-    """Notifications without the diff (too large for the transport): the shard read Consensus."""
+    """Notifications without the diff (too large for the transport), confirmed the same way."""
     connects: int = 0
     """Times the transport connected (or reconnected)."""
     disconnects: int = 0

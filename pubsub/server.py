@@ -4,9 +4,19 @@ One bidirectional gRPC stream per client process (``ProtoPersistPubSub.PubSub``)
 The server keeps, per topic, the set of connections subscribed to it; a
 ``PushDiff`` goes to each of them except the sender, a ``Subscribe`` is
 registered and then sent back as the acknowledgement (every diff the server
-receives after that is forwarded). A subscriber that cannot keep up (its
-outgoing queue is full) has its stream ended: it reconnects, resubscribes
-and catches up from Consensus, which is cheaper than an unbounded queue.
+receives after that is forwarded).
+
+Memory is bounded whatever the clients do. Each connection's outgoing queue
+holds at most ``CONNECTION_QUEUE_BYTES`` of diffs (and ``CONNECTION_QUEUE``
+messages): a subscriber that falls that far behind has its stream ended
+(it reconnects, resubscribes and catches up from Consensus, which is cheaper
+than an unbounded queue), and what was queued for it is freed at once. A
+message may be at most ``MAX_MESSAGE_BYTES``. When a connection ends, freed
+memory is handed back to the operating system.
+
+Input is checked like every other entry point's: a message of no known
+kind, a topic that is not ``<16 hex digits>/<valid shard name>`` (empty, or
+a 1 MiB name) or a diff for SeqNo 0 ends the stream with INVALID_ARGUMENT.
 
 Run it with ``persist pubsub serve`` (or :func:`serve`); it binds
 ``127.0.0.1:6879`` unless told otherwise, and refuses a non-loopback
@@ -16,6 +26,8 @@ certificate and key (``tls_cert``/``tls_key``, PEM) and a shared ``token``
 that every client must send as gRPC metadata ``x-persist-token``; a stream
 without the right token is rejected (UNAUTHENTICATED) and counted in
 ``counters["rejected"]``. The token never appears in a log or an error.
+Nothing a client pushes is trusted by the other clients: they only take it
+as a hint to read Consensus (see :mod:`pyspark_persist.pubsub`).
 It holds no durable state: killing it only makes readers fall back to polling until it is back.
 """
 
@@ -23,9 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import ipaddress
 import logging
+import re
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -33,6 +47,8 @@ from typing import Any
 
 import grpc
 
+from ..state.client import validate_shard_name
+from ..state.errors import InvalidUsage
 from . import persist_pubsub_pb2 as pb
 from . import persist_pubsub_pb2_grpc as pb_grpc
 
@@ -46,46 +62,89 @@ TOKEN_ENV = "PERSIST_PUBSUB_TOKEN"
 """Environment variable both ``serve`` and clients read the shared token from."""
 CONNECTION_QUEUE = 4096
 """Messages waiting for one subscriber before its stream is ended as too slow."""
+CONNECTION_QUEUE_BYTES = 8 << 20
+"""Bytes of diffs waiting for one subscriber before its stream is ended as too slow."""
+MAX_MESSAGE_BYTES = 4 << 20
+"""The largest message a client may send (gRPC's default); clients push larger diffs empty."""
+KEEPALIVE_MIN_PING_INTERVAL_MS = 10_000
+"""Pings closer together than this on an idle connection are strikes (gRPC then sends
+GOAWAY ``too_many_pings``): the client's keepalive interval must not be shorter."""
 
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+_TOPIC_TAG = re.compile(r"^[0-9a-f]{16}$")
+
+
+def check_topic(topic: str) -> str | None:
+    """Why ``topic`` is not ``<16 hex digits>/<shard name>``, or None when it is."""
+    tag, sep, shard = topic.partition("/")
+    if not sep or not _TOPIC_TAG.match(tag):
+        return "a topic is <16 hex digits>/<shard name>"
+    try:
+        validate_shard_name(shard)
+    except InvalidUsage as e:
+        return str(e)[:200]
+    return None
 
 
 class _Conn:
-    """One client stream: its outgoing queue and the topics it subscribed to."""
+    """One client stream: its outgoing queue (bounded in messages and bytes) and its topics."""
 
-    __slots__ = ("queue", "topics", "peer", "ended")
+    __slots__ = ("queue", "queued_bytes", "topics", "peer", "ended", "error")
 
     def __init__(self, peer: str) -> None:
-        self.queue: asyncio.Queue[pb.ProtoPubSubMessage | None] = asyncio.Queue(CONNECTION_QUEUE)
+        self.queue: asyncio.Queue[tuple[pb.ProtoPubSubMessage, int] | None] = asyncio.Queue(
+            CONNECTION_QUEUE
+        )
+        self.queued_bytes = 0
         self.topics: set[str] = set()
         self.peer = peer
         self.ended = False
+        self.error: tuple[grpc.StatusCode, str] | None = None
 
-    def offer(self, msg: pb.ProtoPubSubMessage) -> bool:
-        """Queue ``msg``; on overflow end the stream (the client catches up). False if dropped."""
+    def offer(self, msg: pb.ProtoPubSubMessage, size: int = 0) -> bool:
+        """Queue ``msg`` (``size`` bytes of diff); if that overflows, end the stream at once
+        (the client catches up from Consensus) and free what was queued. False if dropped."""
         if self.ended:
             return False
-        try:
-            self.queue.put_nowait(msg)
-            return True
-        except asyncio.QueueFull:
-            self.end()
+        if self.queued_bytes + size > CONNECTION_QUEUE_BYTES or self.queue.full():
+            self.end(drop_queued=True)
             return False
+        self.queue.put_nowait((msg, size))
+        self.queued_bytes += size
+        return True
 
-    def end(self) -> None:
-        """Finish the stream after what is already queued (or at once, if full)."""
+    async def next(self) -> pb.ProtoPubSubMessage | None:
+        """The next message to send, or None once the stream is over."""
+        item = await self.queue.get()
+        if item is None:
+            return None
+        msg, size = item
+        self.queued_bytes -= size
+        return msg
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        """End the stream with ``code`` (nothing more is sent)."""
+        if self.error is None:
+            self.error = (code, details)
+        self.end(drop_queued=True)
+
+    def end(self, *, drop_queued: bool = False) -> None:
+        """Finish the stream after what is already queued, or at once with ``drop_queued``."""
         if self.ended:
             return
         self.ended = True
-        if self.queue.full():
+        if drop_queued:
             while not self.queue.empty():
                 self.queue.get_nowait()
+            self.queued_bytes = 0
         self.queue.put_nowait(None)
 
 
@@ -111,9 +170,9 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
         reader = asyncio.ensure_future(self._read(request_iterator, conn))
         try:
             while True:
-                msg = await conn.queue.get()
+                msg = await conn.next()
                 if msg is None:
-                    return
+                    break
                 yield msg
         finally:
             reader.cancel()
@@ -123,42 +182,69 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
                     subs.discard(conn)
                     if not subs:
                         del self._subs[topic]
+            conn.topics.clear()
             self._server.counters["connections"] -= 1
+            self._server.connection_ended()
+        if conn.error is not None:
+            self._server.counters["invalid"] += 1
+            log.warning("pubsub server: ended the stream from %s: %s", conn.peer, conn.error[1])
+            await context.abort(*conn.error)
 
     async def _read(
         self, request_iterator: AsyncIterator[pb.ProtoPubSubMessage], conn: _Conn
     ) -> None:
-        counters = self._server.counters
         try:
             async for msg in request_iterator:
-                kind = msg.WhichOneof("message")
-                if kind == "push_diff":
-                    counters["diffs_received"] += 1
-                    for other in self._subs.get(msg.push_diff.shard_id, ()):
-                        if other is not conn:
-                            if other.offer(msg):
-                                counters["diffs_forwarded"] += 1
-                            else:
-                                counters["slow_subscribers_dropped"] += 1
-                elif kind == "subscribe":
-                    topic = msg.subscribe.shard
-                    self._subs.setdefault(topic, set()).add(conn)
-                    conn.topics.add(topic)
-                    conn.offer(msg)  # the acknowledgement
-                elif kind == "unsubscribe":
-                    topic = msg.unsubscribe.shard
-                    conn.topics.discard(topic)
-                    subs = self._subs.get(topic)
-                    if subs is not None:
-                        subs.discard(conn)
-                        if not subs:
-                            del self._subs[topic]
+                problem = self._handle(msg, conn)
+                if problem is not None:
+                    conn.fail(grpc.StatusCode.INVALID_ARGUMENT, f"persist pubsub: {problem}")
+                    return
         except (asyncio.CancelledError, grpc.RpcError):
             pass
         except Exception as e:  # noqa: BLE001 - one broken client must not stop the server
             log.warning("pubsub server: stream from %s failed: %s", conn.peer, e)
         finally:
             conn.end()
+
+    def _handle(self, msg: pb.ProtoPubSubMessage, conn: _Conn) -> str | None:
+        """Act on one message from ``conn``; return what is wrong with it, if anything."""
+        counters = self._server.counters
+        kind = msg.WhichOneof("message")
+        if kind == "push_diff":
+            push = msg.push_diff
+            problem = check_topic(push.shard_id)
+            if problem is not None:
+                return f"push_diff: {problem}"
+            if push.seqno < 1:
+                return "push_diff: seqno must be at least 1"
+            counters["diffs_received"] += 1
+            size = len(push.diff)
+            for other in self._subs.get(push.shard_id, ()):
+                if other is not conn:
+                    if other.offer(msg, size):
+                        counters["diffs_forwarded"] += 1
+                    else:
+                        counters["slow_subscribers_dropped"] += 1
+            return None
+        if kind == "subscribe":
+            topic = msg.subscribe.shard
+            problem = check_topic(topic)
+            if problem is not None:
+                return f"subscribe: {problem}"
+            self._subs.setdefault(topic, set()).add(conn)
+            conn.topics.add(topic)
+            conn.offer(msg)  # the acknowledgement
+            return None
+        if kind == "unsubscribe":
+            topic = msg.unsubscribe.shard
+            conn.topics.discard(topic)
+            subs = self._subs.get(topic)
+            if subs is not None:
+                subs.discard(conn)
+                if not subs:
+                    del self._subs[topic]
+            return None
+        return "a message must be one of push_diff, subscribe or unsubscribe"
 
 
 class PubSubServer:
@@ -199,6 +285,7 @@ class PubSubServer:
             "diffs_received": 0,
             "diffs_forwarded": 0,
             "slow_subscribers_dropped": 0,
+            "invalid": 0,
         }
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -206,6 +293,7 @@ class PubSubServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._grace_s = 0.0
+        self._trims = 0
 
     def authorized(self, metadata: Any) -> bool:
         """Whether a stream's metadata carries the token (always, when none is required)."""
@@ -216,6 +304,12 @@ class PubSubServer:
                 got = value.encode() if isinstance(value, str) else bytes(value)
                 return hmac.compare_digest(got, self._token)
         return False
+
+    def connection_ended(self) -> None:
+        """Hand memory freed by an ended connection back to the OS (once nothing is queued)."""
+        if self.counters["connections"] == 0 or self._trims % 16 == 0:
+            release_freed_memory()
+        self._trims += 1
 
     @property
     def address(self) -> str:
@@ -289,6 +383,26 @@ class PubSubServer:
         await server.stop(self._grace_s)
 
 
+def release_freed_memory() -> None:
+    """Ask glibc to return freed heap pages to the OS (``malloc_trim``); elsewhere a no-op.
+
+    Diffs are large, short-lived buffers: without this, a server that once
+    queued hundreds of MiB for a slow subscriber keeps that much resident
+    after the subscriber is gone.
+    """
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
     if host.strip("[]").lower() == "localhost":
@@ -310,14 +424,9 @@ def serve(
 ) -> int:
     """Run a PubSub server in the foreground until SIGINT/SIGTERM (the ``persist pubsub serve``
     command); ``tls_cert``/``tls_key`` are PEM file paths. Returns the exit status."""
-    cert = key = None
-    if tls_cert or tls_key:
-        if not (tls_cert and tls_key):
-            raise ValueError("persist PubSub TLS needs both --tls-cert and --tls-key")
-        with open(tls_cert, "rb") as f:
-            cert = f.read()
-        with open(tls_key, "rb") as f:
-            key = f.read()
+    from . import read_tls_pair
+
+    cert, key = read_tls_pair(tls_cert, tls_key)
     server = PubSubServer(
         host, port, tls_cert=cert, tls_key=key, token=token, allow_remote=allow_remote
     ).start()

@@ -1,4 +1,4 @@
-"""What every transport shares: topics, the subscribed shards, and applying what arrives.
+"""What every transport shares: topics, the subscribed shards, and confirming what arrives.
 
 A *topic* names one shard in one Consensus: ``"<location tag>/<shard>"``,
 the tag a hash of the normalised Consensus URI (password removed, SQLite
@@ -9,7 +9,8 @@ cache already does everything, so PubSub ignores them.
 :class:`BasePublisher` implements the
 :class:`~pyspark_persist.state.machine.DiffPublisher` seam (push, subscribe,
 unsubscribe) on top of three transport hooks, and turns what a transport
-receives into :meth:`SharedState.apply_pushed` calls, counting as it goes.
+receives into :meth:`SharedState.apply_pushed` calls (each a hint that makes
+the shard read Consensus), counting as it goes.
 """
 
 from __future__ import annotations
@@ -178,20 +179,12 @@ class BasePublisher:
                 if pushed_at_us:
                     self._metrics.record_latency((now_us() - pushed_at_us) / 1000.0)
             else:
-                self._metrics.incr("applied_out_of_order")
+                self._metrics.incr("unconfirmed")
 
     def _notify_seqno(self, topic: str, seqno: int) -> None:
-        """A diff at ``seqno`` exists but did not come with the message: read Consensus."""
-        with self._lock:
-            subs = list(self._subs.get(topic, ()))
-        if not subs:
-            self._metrics.incr("not_subscribed")
-            return
+        """A diff at ``seqno`` exists but did not come with the message: confirm it the same way."""
         self._metrics.incr("notified")
-        for shared in subs:
-            cached = shared.state
-            if cached is not None and seqno > cached.seqno:
-                shared.mark_stale()
+        self._deliver(topic, seqno, b"")
 
     def _set_healthy(self, topic: str | None, healthy: bool) -> None:
         """Mark ``topic`` (None: every topic) as delivered by this transport, or not."""

@@ -28,7 +28,10 @@ Every change to a shard is a pure function ``state -> state'``
 against fresher state when it loses a race. So every change is
 linearizable, and a retry after an unknown outcome is safe: writers carry an
 idempotency token, and a commit whose token already landed is reported as
-:class:`AlreadyCommitted` instead of being applied twice.
+:class:`AlreadyCommitted` instead of being applied twice. Every store
+operation retries transient failures (a restarting PostgreSQL, an S3 blip)
+until ``retry_timeout_s``, by one policy (:mod:`.retry`) that also logs any
+wait longer than a few seconds.
 
 Writing is two-phase: any number of processes stage Parquet parts
 (:class:`~.write.BatchBuilder`, bounded memory), then one

@@ -4,17 +4,19 @@ Every handle to a shard inside one Python process (writers, readers, the
 Spark driver's lease holder, a listen) reads and updates the same
 :class:`SharedState`, so a write made by one handle is seen by every other
 at once, with no network hop, and a waiting listen wakes immediately. PubSub
-feeds the same object with diffs from other processes; polling Consensus
-is the fallback that feeds it when nothing else does.
+tells the same object when another process committed, and it then reads
+Consensus (a push is a hint, never trusted on its own); polling Consensus is
+the fallback that feeds it when nothing else does.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
+from . import retry
 from .consensus import VersionedData
-from .diff import decode
 from .state import ShardState
 
 
@@ -27,6 +29,7 @@ class SharedState:
         self._cond = threading.Condition()
         self._stale_gen = 0
         self._push_sources: set[int] = set()
+        self._read_consensus: Callable[[], ShardState] | None = None
 
     @property
     def state(self) -> ShardState | None:
@@ -41,6 +44,13 @@ class SharedState:
             self._state = state
             self._cond.notify_all()
             return True
+
+    def replace(self, state: ShardState) -> None:
+        """Install ``state`` even if it is not newer: the cached one proved not Consensus's."""
+        with self._cond:
+            self._state = state
+            self._stale_gen += 1
+            self._cond.notify_all()
 
     def wait_for_seqno_after(self, seqno: int, timeout_s: float) -> ShardState | None:
         """Block until the cached state is newer than ``seqno`` or the timeout passes.
@@ -96,34 +106,38 @@ class SharedState:
                 self._stale_gen += 1
                 self._cond.notify_all()
 
-    def apply_pushed(self, row: VersionedData) -> bool:
-        """Apply a diff pushed by another process; True iff it was installed.
+    def confirm_pushes_with(self, read_consensus: Callable[[], ShardState]) -> None:
+        """Give this state the way to check a pushed diff: ``read_consensus`` reads the rows
+        this process has not seen and installs them (``Machine.fetch_latest``)."""
+        self._read_consensus = read_consensus
 
-        Installed only when ``row.seqno`` follows the cached SeqNo exactly.
-        Duplicates and old diffs (and any diff before the state is first
-        loaded) are ignored; a gap, or a diff that does not decode or apply,
-        marks the state stale so waiting listens read Consensus now.
+    def apply_pushed(self, row: VersionedData) -> bool:
+        """Take a diff pushed by another process as a hint; True iff Consensus confirmed it.
+
+        Nothing received over PubSub is trusted on its own: a forged,
+        replayed or reordered diff must not change what a writer or reader
+        decides. So a push whose SeqNo is past the cached one makes this
+        process read Consensus now (one indexed scan of the rows after the
+        cached SeqNo, without retrying), and what Consensus holds is
+        installed, however many rows that is. The push counts as confirmed
+        when Consensus has reached its SeqNo. Old and duplicate diffs (and any
+        diff before the state is first loaded) are ignored; a read that fails
+        marks the state stale, so waiting listens poll Consensus themselves.
         """
-        for _ in range(3):  # re-check if another path installed a state meanwhile
-            cached = self._state
-            if cached is None or row.seqno <= cached.seqno:
-                return False
-            if row.seqno != cached.seqno + 1:
-                break
-            try:
-                diff = decode(row.data, where=f"pushed diff {self.shard_id!r} SeqNo {row.seqno}")
-                if diff.shard_id != self.shard_id or diff.to_seqno != row.seqno:
-                    break
-                new_state = cached.apply(diff)
-            except Exception:  # noqa: BLE001 - a bad push must never break the cache
-                break
-            with self._cond:
-                if self._state is cached:
-                    self._state = new_state
-                    self._cond.notify_all()
-                    return True
-        self.mark_stale()
-        return False
+        cached = self._state
+        read_consensus = self._read_consensus
+        if cached is None or row.seqno <= cached.seqno:
+            return False
+        if read_consensus is None:
+            self.mark_stale()
+            return False
+        try:
+            with retry.deadline_in(0.0):
+                state = read_consensus()
+        except Exception:  # noqa: BLE001 - a push must never break the cache
+            self.mark_stale()
+            return False
+        return state.seqno >= row.seqno
 
 
 class StateCache:

@@ -139,6 +139,7 @@ class PersistClient:
                     self.maintenance.after_commit,
                 )
                 m.after_run = self.maintenance.backpressure
+                m.shared.confirm_pushes_with(m.fetch_latest)
                 self.publisher.subscribe(shard_id, m.shared, self.consensus.uri)
             return m
 

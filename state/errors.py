@@ -41,7 +41,15 @@ class InvalidUri(InvalidUsage):
 
 
 class StoreUnavailable(Determinate):
-    """A Blob or Consensus store could not be reached or opened."""
+    """A Blob or Consensus store could not be reached or opened.
+
+    ``transient`` is False when the store knows retrying cannot help (bad
+    credentials, no privilege, no such bucket): callers then fail at once.
+    """
+
+    def __init__(self, message: str, *, transient: bool = True) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class ShardNotFound(InvalidUsage):

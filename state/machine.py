@@ -13,13 +13,13 @@ in-process listeners) and the diff is pushed, best effort, to PubSub.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from . import retry
 from .blob import Blob
 from .cache import SharedState
 from .commands import Apply, Refuse, add_rollup
@@ -33,6 +33,9 @@ from .versions import load_state, write_rollup
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+_CONTENTION = retry.RetryPolicy(first_backoff_s=0.001, max_backoff_s=0.25)
+"""Backoff between compare-and-set attempts: short, since a lost race is usually won next."""
 
 
 class DiffPublisher(Protocol):
@@ -128,14 +131,32 @@ class Machine:
     def fetch_latest(self) -> ShardState:
         """Read the diffs this process has not seen from Consensus (a poll) and install them."""
         self.metrics.incr("consensus_fetches")
-        state = load_state(self.shard_id, self.consensus, self.blob, self.shared.state)
+        with retry.deadline_in(self.config.retry_timeout_s):
+            state = load_state(self.shard_id, self.consensus, self.blob, self.shared.state)
         if state is None:
-            raise ShardNotFound(
-                f"shard {self.shard_id!r} does not exist in consensus {self.consensus.uri}: "
-                "create it (open_shard with a schema and create=True) or check the name and URIs"
-            )
+            raise self._not_found()
         self.shared.update(state)
         return self.shared.state or state
+
+    def reload(self) -> ShardState:
+        """Read the whole state from Consensus, ignoring (and replacing) what this process held.
+
+        For when the cached state proved wrong: a compare-and-set mismatch
+        reported a head that is not ahead of it, which Consensus alone never does.
+        """
+        self.metrics.incr("consensus_fetches")
+        with retry.deadline_in(self.config.retry_timeout_s):
+            state = load_state(self.shard_id, self.consensus, self.blob, None)
+        if state is None:
+            raise self._not_found()
+        self.shared.replace(state)
+        return state
+
+    def _not_found(self) -> ShardNotFound:
+        return ShardNotFound(
+            f"shard {self.shard_id!r} does not exist in consensus {self.consensus.uri}: "
+            "create it (open_shard with a schema and create=True) or check the name and URIs"
+        )
 
     def run(
         self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], *, idempotent: bool = True
@@ -155,58 +176,73 @@ class Machine:
         return result
 
     def _run(self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool) -> R:
-        deadline = time.monotonic() + self.config.retry_timeout_s
-        state = self.state()
-        attempt = 0
-        while True:
-            outcome = cmd(state)
-            if not isinstance(outcome, Apply):
-                return outcome.result
-            new_state = state.apply(outcome.diff)
-            row = VersionedData(new_state.seqno, encode(outcome.diff))
-            self.metrics.incr("cas_attempts")
-            try:
-                res = self.consensus.compare_and_set(self.shard_id, state.seqno, row)
-            except (Indeterminate, Determinate) as e:
-                if isinstance(e, Indeterminate) and not idempotent:
-                    raise
-                if time.monotonic() > deadline:
-                    raise
-                self.metrics.incr("cas_retries_after_error")
-                log.debug("shard %s: compare-and-set failed (%s); retrying", self.shard_id, e)
-                attempt += 1
-                self._backoff(attempt)
-                state = self._refetch_until(deadline)
-                continue
-            if isinstance(res, CaSCommitted):
-                self.metrics.incr("commits")
-                self.shared.update(new_state)
-                self.publisher.push(self.shard_id, row)
-                self._maybe_rollup(new_state)
-                if self.on_commit is not None:
-                    self.on_commit(self, new_state)
-                return outcome.result
-            self.metrics.incr("cas_mismatches")
-            attempt += 1
-            if attempt > 2:
-                self._backoff(attempt - 2)
-            state = self._refetch_until(deadline)
+        with retry.deadline_in(self.config.retry_timeout_s) as deadline:
+            backoff = retry.Backoff(_CONTENTION)
+            state = self.state()
+            mismatches = 0
+            while True:
+                outcome = cmd(state)
+                if not isinstance(outcome, Apply):
+                    return outcome.result
+                new_state = state.apply(outcome.diff)
+                row = VersionedData(new_state.seqno, encode(outcome.diff))
+                self.metrics.incr("cas_attempts")
+                try:
+                    res = self.consensus.compare_and_set(self.shard_id, state.seqno, row)
+                except (Indeterminate, Determinate) as e:
+                    if isinstance(e, Indeterminate) and not idempotent:
+                        raise
+                    if isinstance(e, Determinate) and not retry.is_transient(e):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise
+                    self.metrics.incr("cas_retries_after_error")
+                    log.debug("shard %s: compare-and-set failed (%s); retrying", self.shard_id, e)
+                    backoff.sleep(deadline)
+                    state = self._refetch()
+                    continue
+                if isinstance(res, CaSCommitted):
+                    self.metrics.incr("commits")
+                    self.shared.update(new_state)
+                    self.publisher.push(self.shard_id, row)
+                    self._maybe_rollup(new_state)
+                    if self.on_commit is not None:
+                        self.on_commit(self, new_state)
+                    return outcome.result
+                self.metrics.incr("cas_mismatches")
+                mismatches += 1
+                if mismatches > 2:
+                    backoff.sleep(deadline)
+                if res.current is None or res.current <= state.seqno:
+                    # Consensus is not ahead of what we held: our state was never its.
+                    log.warning(
+                        "shard %s: the state held at SeqNo %s is not Consensus's (head %s); "
+                        "reloading it",
+                        self.shard_id,
+                        state.seqno,
+                        res.current,
+                    )
+                    state = retry.call(
+                        self.reload,
+                        store=self._store,
+                        what=f"reloading shard {self.shard_id!r}",
+                        transient=retry.is_transient,
+                    )
+                else:
+                    state = self._refetch()
 
-    def _refetch_until(self, deadline: float) -> ShardState:
-        """fetch_latest, retrying unavailable stores until the deadline."""
-        attempt = 0
-        while True:
-            try:
-                return self.fetch_latest()
-            except Determinate:
-                attempt += 1
-                if time.monotonic() > deadline:
-                    raise
-                self._backoff(attempt)
+    @property
+    def _store(self) -> str:
+        return f"consensus {self.consensus.uri}"
 
-    @staticmethod
-    def _backoff(attempt: int) -> None:
-        time.sleep(random.uniform(0, min(0.25, 0.001 * (2 ** min(attempt, 10)))))
+    def _refetch(self) -> ShardState:
+        """fetch_latest, retrying unavailable stores until the command's deadline."""
+        return retry.call(
+            self.fetch_latest,
+            store=self._store,
+            what=f"reading shard {self.shard_id!r}",
+            transient=retry.is_transient,
+        )
 
     def _maybe_rollup(self, state: ShardState) -> None:
         """Write a rollup when the chain of diffs since the last one is long enough."""

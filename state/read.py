@@ -103,6 +103,29 @@ def cancel_negations(parts: list[PartRef], as_of: Time) -> list[PartRef]:
     return out
 
 
+def snapshot_parts(state: ShardState, as_of: Time, blob_uri: str) -> tuple[LeasedPart, ...]:
+    """The parts of ``state`` that reconstruct the shard at ``as_of`` (pure; nothing leased)."""
+    visible = [
+        p
+        for batch in state.trace
+        if batch.lower <= as_of
+        for p in batch.parts
+        if p.effective_min_time <= as_of
+    ]
+    return tuple(
+        LeasedPart(
+            shard_id=state.shard_id,
+            blob_uri=blob_uri,
+            part=p,
+            lower=0,
+            upper=as_of + 1,
+            as_of=as_of,
+            seqno=state.seqno,
+        )
+        for p in cancel_negations(visible, as_of)
+    )
+
+
 def iter_parts(
     blob: Blob, parts: Sequence[LeasedPart], batch_rows: int = 65536
 ) -> Iterator[pa.Table]:
@@ -286,25 +309,7 @@ class ReadHandle:
             state = self._machine.fetch_latest()
         _check_as_of(state, as_of)
         self._lease_current(state)
-        visible = [
-            p
-            for batch in state.trace
-            if batch.lower <= as_of
-            for p in batch.parts
-            if p.effective_min_time <= as_of
-        ]
-        parts = tuple(
-            LeasedPart(
-                shard_id=state.shard_id,
-                blob_uri=self._machine.blob.uri,
-                part=p,
-                lower=0,
-                upper=as_of + 1,
-                as_of=as_of,
-                seqno=state.seqno,
-            )
-            for p in cancel_negations(visible, as_of)
-        )
+        parts = snapshot_parts(state, as_of, self._machine.blob.uri)
         return Snapshot(self.shard_id, as_of, state.seqno, parts)
 
     def iter_snapshot(self, as_of: Time | None = None) -> Iterator[pa.Table]:

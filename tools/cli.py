@@ -7,7 +7,8 @@ Commands::
     persist shards show NAME [--as-of T] [--limit N] [--json]   # contents as of a time
     persist shards compact NAME [--json]                 # compaction now
     persist shards gc NAME [--json]                      # GC now (with the orphan sweep)
-    persist pubsub serve [--host H] [--port P]           # the PubSub server, in the foreground
+    persist pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K] [--token T]
+                         [--allow-remote]                # the PubSub server, in the foreground
     persist bench core|maintenance|pubsub|spark-read|spark-write|load|all [flags]
     persist check [flags]                                # the consistency checker
 
@@ -558,25 +559,41 @@ def _check_as_of(state: ShardState, as_of: int | None) -> int:
 
 
 def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
-    """The shard's consolidated contents at ``as_of``, fetched part by part with a progress bar."""
+    """The shard's consolidated contents at ``as_of``, fetched part by part with a progress bar.
+
+    Read-only: no reader is registered (that would write to Consensus), so
+    nothing holds the parts. If GC deletes one meanwhile, the newer state no
+    longer names it: read the state again and fetch its parts instead.
+    """
     import pyarrow as pa
 
+    from pyspark_persist.state.errors import PartNotFound
     from pyspark_persist.state.parts import consolidate, data_schema
+    from pyspark_persist.state.read import iter_parts, snapshot_parts
 
-    as_of = _check_as_of(shard.state(), as_of)  # before registering a reader: nothing written
-    with shard.reader(f"cli-show-{os.getpid()}-{time.time_ns()}") as reader:
-        snap = reader.snapshot(as_of)
+    for _attempt in range(_SHOW_ATTEMPTS):
+        state = shard.state()
+        at = _check_as_of(state, as_of)
+        parts = snapshot_parts(state, at, shard.client.blob.uri)
+        progress = Progress(f"reading {shard.name}", len(parts))
+        tables: list[pa.Table] = []
         try:
-            progress = Progress(f"reading {shard.name}", len(snap.parts))
-            tables = []
-            for part in snap.parts:
-                tables.append(reader.fetch([part]))
+            for part in parts:
+                tables.extend(iter_parts(shard.client.blob, [part]))
                 progress.advance()
-            progress.close()
+        except PartNotFound:
+            continue
         finally:
-            reader.release(snap.seqno)
-    table = pa.concat_tables(tables) if tables else data_schema(shard.schema).empty_table()
-    return as_of, consolidate(table, shard.schema.names)
+            progress.close()
+        table = pa.concat_tables(tables) if tables else data_schema(shard.schema).empty_table()
+        return at, consolidate(table, shard.schema.names)
+    raise CliError(
+        f"shard {shard.name!r} kept changing under the read (its parts were compacted and "
+        f"deleted {_SHOW_ATTEMPTS} times): try again, or with a later --as-of"
+    )
+
+
+_SHOW_ATTEMPTS = 5
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
@@ -841,17 +858,15 @@ def _add_pubsub(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def cmd_pubsub_serve(ns: argparse.Namespace) -> int:
-    """``persist pubsub serve [--host H] [--port P]`` (the flags of ``pyspark_persist.pubsub``)."""
-    from pyspark_persist.pubsub import serve
-    from pyspark_persist.pubsub.__main__ import add_serve_arguments
+    """``persist pubsub serve``: every flag of ``python -m pyspark_persist.pubsub serve``."""
+    from pyspark_persist.pubsub.__main__ import add_serve_arguments, serve_parsed
 
     parser = _Parser(
         prog="persist pubsub serve",
         description="Serve persist PubSub in the foreground until interrupted.",
     )
     add_serve_arguments(parser)
-    args = parser.parse_args(ns.rest)
-    return serve(args.host, args.port)
+    return serve_parsed(parser.parse_args(ns.rest))
 
 
 def _add_check(sub: argparse._SubParsersAction[_Parser]) -> None:

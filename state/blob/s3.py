@@ -15,12 +15,20 @@ Query parameters (all optional):
 - ``max_attempts``: total attempts per request, including botocore's retries
   in ``standard`` mode (default 3); ``1`` fails fast.
 
+Retries: besides botocore's own few quick attempts, every operation retries
+transient failures (connection refused or reset, timeouts, a 5xx, throttling)
+with jittered backoff until the deadline (60 s, or the enclosing command's
+``retry_timeout_s``; :mod:`pyspark_persist.state.retry`), logging a warning
+once it has waited a few seconds. Every operation is safe to repeat: a key's
+bytes never change, so a ``set`` whose reply was lost is simply sent again.
+
 Errors say whether a write may have happened: a request that surely never
 reached S3 (connection refused, connect timeout, no credentials, a 4xx) raises
 :class:`StoreUnavailable`; a ``set`` whose reply was lost (read timeout, closed
-connection, a 5xx after retries) raises :class:`Indeterminate`, which is safe to
-retry because a key's bytes never change. ``get``, ``delete`` and ``list_keys``
-always raise :class:`StoreUnavailable` (retrying them is always safe).
+connection, a 5xx) still at the deadline raises :class:`Indeterminate`.
+``get``, ``delete`` and ``list_keys`` always raise :class:`StoreUnavailable`.
+Permanent failures (no credentials, access denied, no such bucket) are not
+retried.
 
 The boto3 client is created lazily per process id: a client inherited through
 ``os.fork`` (Spark's Python workers fork) shares sockets with its parent, so
@@ -32,17 +40,23 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import boto3
 import botocore.session
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+)
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import Loader, create_loader
 
+from .. import retry
 from ..errors import (
     Indeterminate,
     InvalidUri,
@@ -57,6 +71,9 @@ _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 _PARAM_NAME_RE = re.compile(r"^[a-z_]{1,40}$")
 _FLOAT_PARAMS = ("connect_timeout", "read_timeout")
 _PARAMS = ("endpoint_url", "region", *_FLOAT_PARAMS, "max_attempts")
+_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"})
+
+T = TypeVar("T")
 
 
 # Guards client creation. Recreated in a forked child, where a lock held by a
@@ -169,11 +186,18 @@ class S3Blob(Blob):
     def _missing_bucket(self) -> StoreUnavailable:
         return StoreUnavailable(
             f"S3 bucket {self._bucket!r} does not exist ({self._where()}): create it "
-            f"(e.g. `aws s3 mb s3://{self._bucket}`) or fix the bucket in the blob URI"
+            f"(e.g. `aws s3 mb s3://{self._bucket}`) or fix the bucket in the blob URI",
+            transient=False,
         )
 
     def _error(
-        self, op: str, key: str | None, e: Exception, *, may_have_happened: bool = False
+        self,
+        op: str,
+        key: str | None,
+        e: Exception,
+        *,
+        may_have_happened: bool = False,
+        waited: str = "",
     ) -> PersistError:
         """Translate a boto error; only a ``set`` whose reply was lost is indeterminate.
 
@@ -195,51 +219,80 @@ class S3Blob(Blob):
                 and isinstance(e, HTTPClientError)
                 and not isinstance(e, BotoConnectionError)
             )
+        after = f" (gave up {waited})" if waited else ""
         if unknown:
             return Indeterminate(
-                f"S3 {op} of {self._where(key)} may or may not have happened: {detail}"
+                f"S3 {op} of {self._where(key)} may or may not have happened{after}: {detail}"
             )
-        return StoreUnavailable(f"S3 {op} of {self._where(key)} failed: {detail}")
+        return StoreUnavailable(
+            f"S3 {op} of {self._where(key)} failed{after}: {detail}", transient=_transient(e)
+        )
+
+    def _call(
+        self, op: str, key: str | None, fn: Callable[[], T], *, may_have_happened: bool = False
+    ) -> T:
+        """Run one S3 request through the retry policy, translating what finally fails."""
+
+        def gave_up(e: Exception, w: retry.Watch) -> Exception:
+            return self._error(
+                op, key, e, may_have_happened=may_have_happened, waited=retry.waited(w)
+            )
+
+        try:
+            return retry.call(
+                fn,
+                store=f"S3 blob {self._where()}",
+                what=f"{op} {key!r}" if key is not None else op,
+                transient=_transient,
+                gave_up=gave_up,
+            )
+        except (ClientError, BotoCoreError) as e:
+            raise self._error(op, key, e, may_have_happened=may_have_happened) from e
 
     def _check_bucket(self) -> None:
         try:
-            self._client().head_bucket(Bucket=self._bucket)
-        except ClientError as e:
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if status == 404:
-                raise self._missing_bucket() from e
-            if status == 403:
-                raise StoreUnavailable(
-                    f"access to S3 bucket {self._bucket!r} denied ({self._where()}): check the "
-                    "credentials (AWS environment variables, profile or instance role) and "
-                    "the bucket policy"
-                ) from e
-            raise self._error("head_bucket", None, e) from e
-        except BotoCoreError as e:
-            raise self._error("head_bucket", None, e) from e
+            self._call("head_bucket", None, lambda: self._client().head_bucket(Bucket=self._bucket))
+        except StoreUnavailable as e:
+            cause = e.__cause__
+            if isinstance(cause, ClientError):
+                status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status == 404:
+                    raise self._missing_bucket() from cause
+                if status == 403:
+                    raise StoreUnavailable(
+                        f"access to S3 bucket {self._bucket!r} denied ({self._where()}): check "
+                        "the credentials (AWS environment variables, profile or instance role) "
+                        "and the bucket policy",
+                        transient=False,
+                    ) from cause
+            raise
 
     def get(self, key: str) -> bytes | None:
         """Fetch the object; a missing key is ``None`` (a missing bucket is an error)."""
         name = self._key_prefix + validate_key(key)
-        try:
-            response = self._client().get_object(Bucket=self._bucket, Key=name)
+
+        def fetch() -> bytes | None:
+            try:
+                response = self._client().get_object(Bucket=self._bucket, Key=name)
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    return None
+                raise
             body: bytes = response["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise self._error("get", key, e) from e
-        except BotoCoreError as e:
-            raise self._error("get", key, e) from e
-        return body
+            return body
+
+        return self._call("get", key, fetch)
 
     def set(self, key: str, value: BlobValue) -> None:
         """One ``put_object``: S3 makes it atomic (readers see the old or new object whole)."""
         name = self._key_prefix + validate_key(key)
-        try:
-            body = value if isinstance(value, bytes) else bytes(value)
-            self._client().put_object(Bucket=self._bucket, Key=name, Body=body)
-        except (ClientError, BotoCoreError) as e:
-            raise self._error("set", key, e, may_have_happened=True) from e
+        body = value if isinstance(value, bytes) else bytes(value)
+        self._call(
+            "set",
+            key,
+            lambda: self._client().put_object(Bucket=self._bucket, Key=name, Body=body),
+            may_have_happened=True,
+        )
 
     def delete(self, key: str) -> int | None:
         """``head_object`` for the size, then ``delete_object``.
@@ -247,8 +300,9 @@ class S3Blob(Blob):
         Not atomic: two concurrent deletes of one key may both report its size.
         """
         name = self._key_prefix + validate_key(key)
-        client = self._client()
-        try:
+
+        def remove() -> int | None:
+            client = self._client()
             try:
                 size: int = client.head_object(Bucket=self._bucket, Key=name)["ContentLength"]
             except ClientError as e:
@@ -256,26 +310,38 @@ class S3Blob(Blob):
                     return None
                 raise
             client.delete_object(Bucket=self._bucket, Key=name)
-        except (ClientError, BotoCoreError) as e:
-            raise self._error("delete", key, e) from e
-        return size
+            return size
+
+        return self._call("delete", key, remove)
 
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Page through ``list_objects_v2``; objects whose names are not valid keys are skipped.
 
         Skipping keeps GC from tripping over foreign objects under the prefix
-        (a console's ``folder/`` marker, say), as the file backend does.
+        (a console's ``folder/`` marker, say), as the file backend does. Each
+        page is one retried request, so a blip mid-listing resumes where it was.
         """
         start = len(self._key_prefix)
-        try:
-            paginator = self._client().get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._key_prefix + prefix):
-                for obj in page.get("Contents", ()):
-                    key = obj["Key"][start:]
-                    if _is_valid_key(key):
-                        yield BlobMeta(key, obj["Size"])
-        except (ClientError, BotoCoreError) as e:
-            raise self._error("list", prefix, e) from e
+        args: dict[str, Any] = {"Bucket": self._bucket, "Prefix": self._key_prefix + prefix}
+        while True:
+            page = self._call("list", prefix, lambda: self._client().list_objects_v2(**args))
+            for obj in page.get("Contents", ()):
+                key = obj["Key"][start:]
+                if _is_valid_key(key):
+                    yield BlobMeta(key, obj["Size"])
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            args["ContinuationToken"] = token
+
+
+def _transient(e: Exception) -> bool:
+    """Whether an S3 failure may go away by itself: no connection, no reply, a 5xx, throttling."""
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = e.response.get("Error", {}).get("Code", "")
+        return status >= 500 or status in (408, 429) or code in _THROTTLED
+    return isinstance(e, BotoConnectionError | HTTPClientError | IncompleteReadError)
 
 
 def _is_valid_key(key: str) -> bool:

@@ -9,29 +9,41 @@ key and the database lets at most one commit; the loser gets a unique
 violation, reported as :class:`CaSMismatch`. The happy path is therefore one
 statement and, on PostgreSQL (autocommit), one round trip.
 
+The table is created by the first compare_and_set into a database that
+lacks it (``CREATE TABLE IF NOT EXISTS``); opening a store (which touches
+PostgreSQL not at all, and opens or creates a SQLite file) and every read
+only SELECT, so read-only tools work with a role that may not create or
+write anything, and a read of a database without the table sees no shards.
+
 SQLite specifics: WAL (readers never block the writer), ``synchronous=FULL``
 (a committed CaS survives power loss) and ``BEGIN IMMEDIATE`` for writes, so a
 writer takes the write lock up front (waiting up to ``busy_timeout``) instead
-of failing mid-transaction with SQLITE_BUSY_SNAPSHOT. Still "database is
-locked" after that is retried a few times with jittered backoff: nothing was
-written, so retrying is safe.
+of failing mid-transaction with SQLITE_BUSY_SNAPSHOT.
 
-Error mapping: failing to connect, or any failure of a read, truncate or of a
-CaS *before* its statement was sent, raises
-:class:`~pyspark_persist.state.errors.StoreUnavailable` (nothing happened). A
-connection failure after the CaS statement was sent raises
-:class:`~pyspark_persist.state.errors.Indeterminate`: the commit may have
-landed. Passwords never appear in :attr:`SqlConsensus.uri` or in messages.
+Retries (:mod:`pyspark_persist.state.retry`): every operation retries
+transient failures with jittered backoff until the deadline (60 s, or the
+command's ``retry_timeout_s``): a refused, reset or closed connection, a
+server shutting down or starting up, too many connections, a serialization
+failure or deadlock, SQLite's "database is locked". Pooled connections are
+pinged before use (``pool_pre_ping``) and a connection that failed is
+discarded, never reused. Permanent failures (authentication, a missing
+database, no privilege) fail at once.
+
+Error mapping: a failure that persists past the deadline, or a permanent
+one, raises :class:`~pyspark_persist.state.errors.StoreUnavailable` naming
+the store, the operation and how long it was retried (nothing happened). A
+connection lost after a CaS statement was sent raises
+:class:`~pyspark_persist.state.errors.Indeterminate` at once, unretried: the
+commit may have landed, and only the caller can tell whether retrying is
+safe. Passwords never appear in :attr:`SqlConsensus.uri` or in messages.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import random
 import re
 import sqlite3
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -56,9 +68,17 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    SQLAlchemyError,
+)
 from sqlalchemy.schema import CreateTable
 
+from .. import retry
 from ..errors import (
     Indeterminate,
     InvalidUri,
@@ -82,8 +102,6 @@ DEFAULT_CONNECT_TIMEOUT_S = 5
 """libpq's default is to wait forever; a dead host should fail an open in seconds."""
 
 _BUSY_TIMEOUT_MS = 10_000
-_BUSY_ATTEMPTS = 3
-_BUSY_BACKOFF_S = 0.05
 _WRITE_OPTION = "persist_write"
 """Execution option marking a SQLite transaction that must start with BEGIN IMMEDIATE."""
 
@@ -93,6 +111,10 @@ _SECRET_QUERY_KEYS = ("password",)
 _POSTGRES_HINT = (
     "is PostgreSQL running and reachable? check host, port, database and user "
     "(passwords come from the URI, PGPASSWORD or ~/.pgpass)"
+)
+_POSTGRES_REFUSED_HINT = (
+    "PostgreSQL refused it: check the user, its password and its privileges on the consensus "
+    "table (a read-only role can run read-only commands only)"
 )
 _SQLITE_HINT = "check that the path names a file (not a directory) in a writable directory"
 
@@ -185,11 +207,16 @@ class SqlConsensus(Consensus):
         self._password = password
         self._hint = _SQLITE_HINT if self._sqlite else _POSTGRES_HINT
         _OPEN.add(self)
-        try:
-            self._run(self._create_table, write=True, what="creating the consensus table")
-        except BaseException:
-            self.close()
-            raise
+        if self._sqlite:
+            # Open the file now (creating it, as an embedded store should), so a path
+            # that cannot be a database fails here rather than at the first read.
+            try:
+                self._run(
+                    lambda conn: conn.exec_driver_sql("SELECT 1"), write=False, what="opening"
+                )
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def from_uri(cls, uri: str) -> SqlConsensus:
@@ -244,7 +271,9 @@ class SqlConsensus(Consensus):
             row = conn.execute(self._stmts.head, {"shard": key}).first()
             return None if row is None else VersionedData(int(row[0]), bytes(row[1]))
 
-        return self._run(work, write=False, what=f"reading the head of {key!r}")
+        return self._run(
+            work, write=False, what=f"reading the head of {key!r}", no_table=lambda: None
+        )
 
     def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
         """Append ``new`` iff the head SeqNo is ``expected``: one conditional INSERT.
@@ -263,7 +292,7 @@ class SqlConsensus(Consensus):
                 # and our INSERT: it won, we did not write.
                 return False
 
-        if self._run(work, write=True, what=f"compare_and_set on {key!r}", indeterminate=True):
+        if self._run(work, write=True, what=f"compare_and_set on {key!r}", cas=True):
             return CaSCommitted()
         return CaSMismatch(self._head_seqno(key))
 
@@ -276,7 +305,7 @@ class SqlConsensus(Consensus):
             rows = conn.execute(stmt, {"shard": key, "from_seqno": from_seqno})
             return [VersionedData(int(seqno), bytes(data)) for seqno, data in rows]
 
-        return self._run(work, write=False, what=f"scanning {key!r}")
+        return self._run(work, write=False, what=f"scanning {key!r}", no_table=list)
 
     def truncate(self, key: str, seqno: SeqNo) -> int:
         """Delete rows of ``key`` below ``seqno``; InvalidUsage if that would delete the head.
@@ -289,7 +318,7 @@ class SqlConsensus(Consensus):
         def work(conn: Connection) -> int:
             return conn.execute(self._stmts.truncate, {"shard": key, "seqno": seqno}).rowcount
 
-        deleted = self._run(work, write=True, what=f"truncating {key!r}")
+        deleted = self._run(work, write=True, what=f"truncating {key!r}", no_table=lambda: 0)
         if deleted == 0:
             head = self._head_seqno(key)
             if head is None or seqno > head:
@@ -308,27 +337,34 @@ class SqlConsensus(Consensus):
         def work(conn: Connection) -> list[str]:
             return sorted(str(shard) for (shard,) in conn.execute(self._stmts.list_keys))
 
-        return self._run(work, write=False, what="listing keys")
+        return self._run(work, write=False, what="listing keys", no_table=list)
 
     def close(self) -> None:
         """Close every pooled connection."""
         _OPEN.discard(self)
         self._engine.dispose()
 
-    def _create_table(self, conn: Connection) -> None:
-        try:
-            conn.execute(self._stmts.create)
-        except IntegrityError:
-            # PostgreSQL: a concurrent opener created the table between our
-            # IF NOT EXISTS check and our insert into the catalog; it exists now.
-            pass
+    def _create_table(self) -> None:
+        """Create the table; only the first compare_and_set into a new database needs it."""
+
+        def work(conn: Connection) -> None:
+            try:
+                conn.execute(self._stmts.create)
+            except IntegrityError:
+                # PostgreSQL: a concurrent creator got in between our IF NOT EXISTS
+                # check and our insert into the catalog; the table exists now.
+                pass
+
+        self._run(work, write=True, what="creating the consensus table")
 
     def _head_seqno(self, key: str) -> SeqNo | None:
         def work(conn: Connection) -> SeqNo | None:
             current = conn.execute(self._stmts.head_seqno, {"shard": key}).scalar()
             return None if current is None else int(current)
 
-        return self._run(work, write=False, what=f"reading the head SeqNo of {key!r}")
+        return self._run(
+            work, write=False, what=f"reading the head SeqNo of {key!r}", no_table=lambda: None
+        )
 
     def _run(
         self,
@@ -336,60 +372,124 @@ class SqlConsensus(Consensus):
         *,
         write: bool,
         what: str,
-        indeterminate: bool = False,
+        cas: bool = False,
+        no_table: Callable[[], T] | None = None,
     ) -> T:
-        """Run ``work`` in one transaction, mapping driver errors to persist's taxonomy.
+        """Run ``work`` in one transaction, retrying transient failures (:mod:`..retry`).
 
-        ``indeterminate``: a failure after ``work`` started talking to the
-        database may have committed (only compare_and_set sets this; every
-        other write is idempotent or guarded, so a failure there is reported
-        as determinate StoreUnavailable and retrying it is safe).
+        ``cas``: a connection lost after the statement was sent may have
+        committed: :class:`Indeterminate`, never retried here. Every other
+        write is idempotent or guarded, so its transient failures are retried
+        like reads'. ``no_table``: the answer of a read when the table does
+        not exist yet (it is created by the first compare_and_set, so opening
+        a store, and every read, needs only SELECT).
         """
-        attempt = 0
-        while True:
-            attempt += 1
+
+        def attempt() -> T:
             try:
                 conn = self._engine.connect()
             except SQLAlchemyError as exc:
-                raise self._unavailable(what, exc) from exc
+                raise _Failed(exc, self._detail(exc), sent=False) from exc
             with conn:
                 try:
                     conn.execution_options(**{_WRITE_OPTION: write})
                     conn.begin()
                 except DBAPIError as exc:
-                    if self._is_busy(exc) and attempt < _BUSY_ATTEMPTS:
-                        _backoff(attempt)
-                        continue
-                    raise self._unavailable(what, exc) from exc
+                    raise _Failed(exc, self._detail(exc), sent=False) from exc
                 try:
                     result = work(conn)
                     conn.commit()
                     return result
                 except DBAPIError as exc:
-                    # SQLITE_BUSY is determinate: a busy statement did nothing
-                    # and the transaction is rolled back when ``conn`` closes.
-                    if self._is_busy(exc):
-                        if attempt < _BUSY_ATTEMPTS:
-                            _backoff(attempt)
-                            continue
-                        raise self._unavailable(what, exc) from exc
-                    if indeterminate:
-                        raise Indeterminate(
-                            f"{what} at {self._uri} may or may not have committed: "
-                            f"{self._detail(exc)}; read head() to find out"
-                        ) from exc
-                    raise self._unavailable(what, exc) from exc
+                    kind = self._kind(exc)
+                    if kind == _NO_TABLE and no_table is not None:
+                        return no_table()
+                    if kind == _TRANSIENT:
+                        # Never hand a connection that failed mid-use back to the pool.
+                        conn.invalidate()
+                    raise _Failed(exc, self._detail(exc), sent=True) from exc
 
-    def _is_busy(self, exc: DBAPIError) -> bool:
-        if not self._sqlite:
-            return False
-        code = getattr(exc.orig, "sqlite_errorcode", None)
-        return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(exc.orig)
+        def transient(exc: Exception) -> bool:
+            if not isinstance(exc, _Failed):
+                return False
+            kind = self._kind(exc.error)
+            if kind == _NO_TABLE and cas:
+                self._create_table()
+                return True
+            if kind != _TRANSIENT:
+                return False
+            # A CaS whose statement reached the server and then lost its connection
+            # may have committed: that is for the caller to sort out.
+            return not (cas and exc.sent and not self._surely_not_applied(exc.error))
 
-    def _unavailable(self, what: str, exc: Exception) -> StoreUnavailable:
+        def gave_up(exc: Exception, w: retry.Watch) -> Exception:
+            assert isinstance(exc, _Failed)
+            return self._unavailable(what, exc.error, f"gave up {retry.waited(w)}")
+
+        try:
+            return retry.call(
+                attempt,
+                store=f"consensus {self._uri}",
+                what=what,
+                transient=transient,
+                gave_up=gave_up,
+            )
+        except _Failed as failed:
+            exc = failed.error
+            if cas and failed.sent and not self._surely_not_applied(exc):
+                raise Indeterminate(
+                    f"{what} at {self._uri} may or may not have committed: "
+                    f"{self._detail(exc)}; read head() to find out"
+                ) from exc
+            raise self._unavailable(what, exc) from exc
+
+    def _kind(self, exc: SQLAlchemyError) -> str:
+        """Classify a driver error: transient (retry), a missing table, or permanent."""
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        if self._sqlite:
+            text = str(orig if orig is not None else exc)
+            if "no such table" in text:
+                return _NO_TABLE
+            code = getattr(orig, "sqlite_errorcode", None)
+            busy = code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in text
+            return _TRANSIENT if busy else _PERMANENT
+        state = getattr(orig, "sqlstate", None)
+        if state == "42P01":
+            return _NO_TABLE
+        if state is None:
+            # No SQLSTATE: the connection itself failed (refused, reset, closed, timed out).
+            connection_level = isinstance(exc, OperationalError | InterfaceError) or (
+                isinstance(exc, DBAPIError) and exc.connection_invalidated
+            )
+            return _TRANSIENT if connection_level else _PERMANENT
+        if state.startswith("08") or state in _TRANSIENT_SQLSTATES:
+            return _TRANSIENT
+        return _PERMANENT
+
+    def _surely_not_applied(self, exc: SQLAlchemyError) -> bool:
+        """Whether a failed statement is known not to have committed (so a CaS did not land).
+
+        SQLite's busy/locked refuse before writing. PostgreSQL runs each
+        statement in its own transaction (autocommit), so an error the server
+        reports for it (a SQLSTATE) means it was rolled back, except for the
+        classes that can strike after the commit: connection exceptions (08),
+        operator intervention such as a shutdown (57), system and internal
+        errors (58, XX). Without a SQLSTATE the connection failed: unknown.
+        """
+        if self._sqlite:
+            return self._kind(exc) in (_TRANSIENT, _NO_TABLE)
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        state = getattr(orig, "sqlstate", None)
+        return state is not None and state[:2] not in _AMBIGUOUS_SQLSTATE_CLASSES
+
+    def _unavailable(self, what: str, exc: Exception, waited: str = "") -> StoreUnavailable:
+        after = f" ({waited})" if waited else ""
+        transient = not isinstance(exc, SQLAlchemyError) or self._kind(exc) != _PERMANENT
+        hint = self._hint if transient or self._sqlite else _POSTGRES_REFUSED_HINT
         return StoreUnavailable(
-            f"consensus store {self._uri} unavailable while {what}: {self._detail(exc)}; "
-            f"{self._hint}"
+            f"consensus store {self._uri} unavailable while {what}{after}: "
+            f"{self._detail(exc)}; {hint}",
+            transient=transient,
         )
 
     def _detail(self, exc: Exception) -> str:
@@ -402,9 +502,33 @@ class SqlConsensus(Consensus):
         return detail
 
 
-def _backoff(attempt: int) -> None:
-    """Sleep a jittered, growing delay so lock waiters do not retry in lockstep."""
-    time.sleep(random.uniform(0, _BUSY_BACKOFF_S * 2**attempt))
+class _Failed(Exception):
+    """A driver error of one attempt, and whether its statement may have reached the server."""
+
+    def __init__(self, error: SQLAlchemyError, detail: str, *, sent: bool) -> None:
+        super().__init__(detail)
+        self.error = error
+        self.sent = sent
+
+
+_TRANSIENT = "transient"
+_NO_TABLE = "no table"
+_PERMANENT = "permanent"
+
+_AMBIGUOUS_SQLSTATE_CLASSES = frozenset({"08", "57", "58", "XX"})
+"""SQLSTATE classes a statement may fail with after its transaction committed."""
+_TRANSIENT_SQLSTATES = frozenset(
+    {
+        "40001",  # serialization_failure
+        "40P01",  # deadlock_detected
+        "55P03",  # lock_not_available
+        "57P01",  # admin_shutdown: the server is stopping (restart in progress)
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now: starting up or shutting down
+        "53300",  # too_many_connections
+    }
+)
+"""SQLSTATEs worth retrying (besides class 08, connection exceptions)."""
 
 
 def _redact(url: URL) -> str:

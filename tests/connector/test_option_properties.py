@@ -118,3 +118,60 @@ def test_options_bad_sizes(bad: str) -> None:
 
     with pytest.raises(InvalidUsage, match="splitSizeBytes"):
         PersistOptions.parse({"shard": "s", "splitSizeBytes": bad}, "read")
+
+
+# What Spark 4.3 itself passes to a Python data source (recorded with a source that logs its
+# options): load(path) -> path, load([p1, p2]) -> paths, save(path) -> path, and for a stream
+# write .queryName(q).option("checkpointLocation", c).start(path) -> queryname,
+# checkpointlocation, path, every key lower-cased.
+SPARK_INJECTED = {
+    "read": {"path": "events"},
+    "stream_read": {"path": "events"},
+    "write": {"path": "events"},
+    "stream_write": {"queryname": "q", "checkpointlocation": "/tmp/ck", "path": "events"},
+}
+
+
+@pytest.mark.parametrize("purpose", sorted(SPARK_INJECTED))
+def test_options_spark_injects_are_accepted(purpose: str) -> None:
+    """Every option Spark adds on its own is accepted; ``path`` is the shard name."""
+    from pyspark_persist.options import PersistOptions
+
+    opts = PersistOptions.parse(SPARK_INJECTED[purpose], purpose)  # type: ignore[arg-type]
+    assert opts.shard == "events"
+    if purpose == "stream_write":
+        assert opts.checkpoint_location == "/tmp/ck"
+
+
+@pytest.mark.parametrize(
+    ("key", "purpose", "suggestion"),
+    [
+        ("startingpositon", "stream_read", "startingPosition"),
+        ("maxrowpertrigger", "stream_read", "maxRowsPerTrigger"),
+        ("writerid_", "stream_write", "writerId"),
+        ("splitsizebyte", "read", "splitSizeBytes"),
+        ("partsizebytess", "write", "partSizeBytes"),
+    ],
+)
+def test_options_typo_suggests_the_option(key: str, purpose: str, suggestion: str) -> None:
+    """A real typo is still refused, naming it and the option it was probably meant to be."""
+    from pyspark_persist.options import PersistOptions
+
+    with pytest.raises(InvalidUsage, match=f"{key}: did you mean {suggestion}\\?"):
+        PersistOptions.parse({"path": "events", key: "1"}, purpose)  # type: ignore[arg-type]
+
+
+def test_options_misplaced_and_multi_path_errors_say_where_they_belong() -> None:
+    from pyspark_persist.options import PersistOptions
+
+    with pytest.raises(InvalidUsage, match="maxRowsPerTrigger applies to stream reads only"):
+        PersistOptions.parse({"path": "e", "maxrowspertrigger": "5"}, "stream_write")
+    with pytest.raises(InvalidUsage, match="queryName applies to stream writes only"):
+        PersistOptions.parse({"path": "e", "queryname": "q"}, "read")
+    with pytest.raises(InvalidUsage, match=r"one shard, not several paths"):
+        PersistOptions.parse({"paths": '["a","b"]'}, "read")
+    # An invalid name given as the load()/save() path is reported as the path.
+    with pytest.raises(InvalidUsage, match="option path: invalid shard name 'a/b'"):
+        PersistOptions.parse({"path": "a/b"}, "write")
+    # shard and path may both be given if they agree.
+    assert PersistOptions.parse({"shard": "e", "path": "e"}, "write").shard == "e"

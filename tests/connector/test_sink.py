@@ -316,6 +316,32 @@ def test_bad_input_fails_before_any_task(spark: SparkSession) -> None:
     assert len(_snapshot(shard)) == 3
 
 
+def test_options_spark_injects_are_accepted_and_typos_suggested(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """.queryName(q), checkpointLocation and .start(path) on a persist -> persist stream: Spark
+    passes them all as options, and the path is the shard. A typo still fails, with a hint."""
+    source, sink = _name("inj-src"), _name("inj-sink")
+    spark.range(5).write.format("persist").mode("append").save(source)
+    q = (
+        spark.readStream.format("persist")
+        .load(source)
+        .drop("_time", "_diff")
+        .writeStream.format("persist")
+        .queryName(f"q_{sink.replace('-', '_')}")
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start(sink)
+    )
+    assert q.awaitTermination(120)
+    assert q.exception() is None
+    assert sorted(r["id"] for r in _snapshot(sink)) == list(range(5))
+    text = _error_text(
+        lambda: spark.read.format("persist").option("splitSizeByte", "1m").load(source).count()
+    )
+    assert "did you mean splitSizeBytes?" in text
+
+
 @pytest.mark.parametrize("mode", [None, "error", "errorifexists", "ignore"])
 def test_unsupported_batch_modes_rejected_by_spark(spark: SparkSession, mode: str | None) -> None:
     """Batch writes other than append/overwrite get Spark's UNSUPPORTED_DATA_SOURCE_SAVE_MODE.

@@ -6,11 +6,17 @@ rejects (and counts) streams without it, and never logs the token.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
+import os
+import socket
+import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -133,3 +139,129 @@ def test_pubsub_serve_cli_arguments() -> None:
         ["--tls-cert", "c", "--tls-key", "k", "--token", "t", "--allow-remote", "--host", "0.0.0.0"]
     )
     assert (ns.tls_cert, ns.tls_key, ns.token, ns.allow_remote) == ("c", "k", "t", True)
+
+
+# --- every entry point that starts a server honours the flags --------------------------------
+
+
+def _persist() -> list[str]:
+    """The installed ``persist`` console script (``python -m pyspark_persist`` without one)."""
+    script = Path(sys.executable).with_name("persist")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pyspark_persist"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _cli_server(*flags: str) -> Iterator[str]:
+    """``persist pubsub serve --port P FLAGS`` in a child process; yields ``127.0.0.1:P``."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_PUBSUB_")}
+    proc = subprocess.Popen(
+        [*_persist(), "pubsub", "serve", "--port", str(port), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        assert b"serving on" in line, proc.stderr.read().decode()
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _subscribe(address: str, *, token: str | None = None, ca: bytes | None = None) -> object:
+    """Open a stream and subscribe once: None if the server acknowledged, else the gRPC code."""
+    import grpc
+
+    from pyspark_persist.pubsub import persist_pubsub_pb2 as pb
+    from pyspark_persist.pubsub import persist_pubsub_pb2_grpc as pb_grpc
+
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca))
+        if ca is not None
+        else grpc.insecure_channel(address)
+    )
+    with channel:
+        stub = pb_grpc.ProtoPersistPubSubStub(channel)
+        request = pb.ProtoPubSubMessage(subscribe=pb.ProtoSubscribe(shard="0123456789abcdef/shard"))
+        metadata = (("x-persist-token", token),) if token else None
+        try:
+            for msg in stub.PubSub(iter([request]), metadata=metadata, timeout=5):
+                if msg.WhichOneof("message") == "subscribe":
+                    return None
+        except grpc.RpcError as e:
+            return e.code()
+    return "closed without an acknowledgement"
+
+
+def test_cli_serve_requires_the_token() -> None:
+    """``persist pubsub serve --token T``: a client without T (or with another) is refused
+    UNAUTHENTICATED; the right one is served."""
+    import grpc
+
+    with _cli_server("--token", TOKEN) as address:
+        assert _subscribe(address) == grpc.StatusCode.UNAUTHENTICATED
+        assert _subscribe(address, token="wrong") == grpc.StatusCode.UNAUTHENTICATED
+        assert _subscribe(address, token=TOKEN) is None
+
+
+def test_cli_serve_with_tls_refuses_plaintext(tmp_path: Path) -> None:
+    """``persist pubsub serve --tls-cert C --tls-key K --token T``: a client without TLS
+    cannot connect at all; a TLS client needs the token too."""
+    import grpc
+
+    cert, key, cert_path = _self_signed(tmp_path)
+    key_path = tmp_path / "key.pem"
+    key_path.write_bytes(key)
+    flags = ("--tls-cert", str(cert_path), "--tls-key", str(key_path), "--token", TOKEN)
+    with _cli_server(*flags) as address:
+        assert _subscribe(address, token=TOKEN) == grpc.StatusCode.UNAVAILABLE
+        assert _subscribe(address, ca=cert) == grpc.StatusCode.UNAUTHENTICATED
+        assert _subscribe(address, token=TOKEN, ca=cert) is None
+
+
+def test_cli_serve_binds_remote_only_when_allowed() -> None:
+    """A non-loopback --host is refused (exit 1, naming the flag) unless --allow-remote."""
+    port = str(_free_port())
+    refused = subprocess.run(
+        [*_persist(), "pubsub", "serve", "--host", "0.0.0.0", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1
+    assert "--allow-remote" in refused.stderr
+    with _cli_server("--host", "0.0.0.0", "--allow-remote", "--token", TOKEN) as address:
+        assert _subscribe(address, token=TOKEN) is None
+
+
+def test_auto_server_honours_the_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pubsub=auto`` with $PERSIST_PUBSUB_TOKEN: the server it starts refuses clients
+    without the token, and its own clients send it."""
+    import grpc
+
+    from pyspark_persist.pubsub import auto
+
+    monkeypatch.setenv("PERSIST_PUBSUB_TOKEN", TOKEN)
+    location = f"sqlite:///{tmp_path}/consensus.db"
+    pub = pubsub.connect("auto", location)
+    try:
+        pub.subscribe("s", SharedState("s"), location)
+        deadline = time.monotonic() + 10
+        while not getattr(pub, "connected", False):
+            assert time.monotonic() < deadline, "the auto client never connected"
+            time.sleep(0.02)
+        address = (tmp_path / "pubsub.addr").read_text().strip()
+        assert _subscribe(address) == grpc.StatusCode.UNAUTHENTICATED
+        assert _subscribe(address, token=TOKEN) is None
+    finally:
+        pub.close()  # type: ignore[attr-defined]
+        auto.stop_serving(str(tmp_path))

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -775,10 +776,16 @@ def test_malformed_uris(blob: str, consensus: str) -> None:
         PersistClient.open(blob, consensus)
 
 
-def test_unreachable_postgres_is_store_unavailable() -> None:
-    """A PostgreSQL nobody listens on is StoreUnavailable, promptly."""
-    with pytest.raises(StoreUnavailable):
-        PersistClient.open("mem://x", "postgresql://postgres@127.0.0.1:1/test")
+def test_unreachable_postgres_is_store_unavailable_after_retry_timeout() -> None:
+    """A PostgreSQL nobody listens on: opening the client touches nothing, and the first
+    use retries for retry_timeout_s, then raises StoreUnavailable saying how long it tried."""
+    config = PersistConfig(retry_timeout_s=0.5)
+    dead = "postgresql://postgres@127.0.0.1:1/test"
+    with PersistClient.open("mem://x", dead, config=config) as c:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=r"gave up for 0\.\d s"):
+            c.open_shard("s", SCHEMA)
+        assert time.monotonic() - started < 5
 
 
 def test_shard_handles_share_state_in_process(client: PersistClient, shard_name: str) -> None:

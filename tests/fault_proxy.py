@@ -1,0 +1,142 @@
+"""A loopback TCP proxy a test owns, to take a store away and give it back deterministically.
+
+The shared PostgreSQL (and the session's moto S3 server) must never be
+restarted by a test, so a test puts a :class:`FaultProxy` between its client
+and the real server and breaks the proxy instead:
+
+- :meth:`FaultProxy.stop`: the port refuses connections and every open one
+  is reset, as when the server process dies or restarts;
+- :meth:`FaultProxy.pause`: connections stay open but no byte moves, and new
+  ones are accepted but go nowhere, as when the network or the server hangs;
+- :meth:`FaultProxy.start` / :meth:`FaultProxy.resume`: back to normal, on the
+  same port, so a client reconnects to the address it was given.
+
+Each state change takes effect before the call returns, so a test decides
+exactly which operations see the fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+
+
+class FaultProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``target``; see the module doc."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        """``127.0.0.1:<port>``."""
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> FaultProxy:
+        """Listen (again, on the same port after a :meth:`stop`) and forward."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.port = listener.getsockname()[1]
+        with self._lock:
+            self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """Refuse new connections and reset every open one (a dead server)."""
+        with self._lock:
+            listener, self._listener = self._listener, None
+            conns, self._conns = self._conns, set()
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            listener.close()
+        for conn in conns:
+            _reset(conn)
+
+    def pause(self) -> None:
+        """Hold every byte (a hung server or network); connections stay open."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        """Let bytes flow again after :meth:`pause`."""
+        self._flowing.set()
+
+    def close(self) -> None:
+        """Stop for good."""
+        self._closed = True
+        self._flowing.set()
+        self.stop()
+
+    @contextlib.contextmanager
+    def down(self) -> Iterator[None]:
+        """The server is gone for the duration of the block."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # stopped
+            self._flowing.wait()
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                _reset(client)
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    _reset(client)
+                    _reset(upstream)
+                    return
+                self._conns.update((client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                self._flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(src)
+                self._conns.discard(dst)
+            _reset(dst)
+            _reset(src)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with an RST (linger 0), as a crashed peer's kernel would.
+
+    ``shutdown(SHUT_RD)`` first wakes a pump thread blocked in ``recv`` on it.
+    """
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
+    with contextlib.suppress(OSError):
+        sock.close()
