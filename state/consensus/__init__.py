@@ -20,7 +20,8 @@ Contract:
 - ``truncate(key, seqno)``: deletes rows with SeqNo < ``seqno``; refuses (raises
   InvalidUsage) to delete the head. Returns the number deleted.
 
-Backends, by URI scheme, through :func:`open_consensus`: ``sqlite:///path``
+Backends, by URI scheme, through :func:`open_consensus` (the table is in
+:mod:`pyspark_persist.state.registry`): ``sqlite:///path``
 (the embedded default), ``postgresql://...`` (psycopg 3 through SQLAlchemy,
 one round trip per compare-and-set) and ``mem://name``.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..errors import InvalidUri
+from ..registry import open_consensus as open_consensus
 from ..tracing import CONSENSUS_TRACED, trace_store_class
 
 SeqNo = int
@@ -98,25 +99,3 @@ class Consensus(ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the Consensus must not be used afterwards."""
-
-
-def open_consensus(uri: str) -> Consensus:
-    """Open the Consensus named by ``uri`` (``sqlite://``, ``postgresql://`` or ``mem://``)."""
-    scheme, sep, _ = uri.partition("://")
-    if not sep:
-        raise InvalidUri(
-            f"consensus URI {uri!r} has no scheme: use sqlite:///abs/path.db, "
-            "postgresql://user@host:port/db or mem://name"
-        )
-    base = scheme.split("+", 1)[0]
-    if base in ("sqlite", "postgresql", "postgres"):
-        from .sql import SqlConsensus
-
-        return SqlConsensus.from_uri(uri)
-    if base == "mem":
-        from .mem import MemConsensus
-
-        return MemConsensus.from_uri(uri)
-    raise InvalidUri(
-        f"unknown consensus scheme {scheme!r} in {uri!r}: use sqlite://, postgresql:// or mem://"
-    )
