@@ -213,8 +213,7 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         live.update(p.key for b in walk.batches.values() for p in b.parts if p.key is not None)
     keep = {p.key for b in at_since.batches.values() for p in b.parts if p.key is not None}
     garbage = candidates - keep
-    for key in garbage:
-        machine.blob.delete(key)
+    machine.blob.delete_many(sorted(garbage))
 
     # Truncate Consensus below a rollup at (or a little before) seqno_since.
     rollup_at = max((s for s in at_since.rollups if s <= at_since.seqno), default=0)
@@ -226,8 +225,7 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
     current = machine.fetch_latest()
     old_rollups = tuple(s for s in current.rollups if s < rollup_at)
     removed = machine.run(lambda s: commands.remove_rollups(s, seqnos=old_rollups))
-    for s in removed:
-        machine.blob.delete(rollup_key(shard, s))
+    machine.blob.delete_many(rollup_key(shard, s) for s in removed)
 
     orphans = 0
     if sweep_orphans:
@@ -250,19 +248,16 @@ def _sweep_orphans(
     """Delete parts no live state references once past the grace period, and stray rollups."""
     shard = machine.shard_id
     grace_ms = int(machine.config.staged_part_grace_s * 1000)
-    deleted = 0
+    doomed = []
     for meta in list(machine.blob.list_keys(f"{shard}/part/")):
         created = part_key_created_ms(meta.key)
-        if meta.key in live or created is None or now_ms - created < grace_ms:
-            continue
-        machine.blob.delete(meta.key)
-        deleted += 1
+        if meta.key not in live and created is not None and now_ms - created >= grace_ms:
+            doomed.append(meta.key)
     for meta in list(machine.blob.list_keys(f"{shard}/rollup/")):
         seqno = int(meta.key.rsplit("/", 1)[1])
         if seqno < oldest_rollup and seqno not in rollups:
-            machine.blob.delete(meta.key)
-            deleted += 1
-    return deleted
+            doomed.append(meta.key)
+    return machine.blob.delete_many(doomed)
 
 
 _STOP = object()
