@@ -61,6 +61,10 @@ class ShardNotFound(InvalidUsage):
     """The named shard does not exist in this Consensus."""
 
 
+class ShardInUse(InvalidUsage):
+    """Readers hold the shard (a live lease or a critical since), so it was not dropped."""
+
+
 class ShardExists(InvalidUsage):
     """The named shard already exists and the caller asked to create it fresh."""
 
