@@ -773,12 +773,15 @@ def drop(where: Location, name: str, *, yes: bool, force: bool) -> dict[str, Any
             )
             try:
                 confirmed = click.confirm(question, default=False, err=True)
+                if not sys.stdin.isatty():  # a piped answer is not echoed: end the line
+                    print(file=sys.stderr)
             except click.exceptions.Abort:  # end of input, or Ctrl-C at the prompt
                 print(file=sys.stderr)
                 confirmed = False
             if not confirmed:
                 raise CliError(f"shard {name!r} was not dropped: answer y, or pass --yes")
         report = drop_shard(client.consensus, client.blob, name, now_ms=now, force=force)
+        shard.machine.shared.forget()  # this process's handles must not see the old state
     return {
         "shard": name,
         "consensus_rows_deleted": report.consensus_rows,
@@ -798,21 +801,17 @@ def format_drop(result: dict[str, Any]) -> str:
     )
 
 
-def tail_events(shard: Shard, reader: ReadHandle, as_of: int | None) -> Iterator[ListenEvent]:
-    """Every batch committed after ``as_of`` (default: the latest complete time), forever.
-
-    On a shard with nothing complete yet (upper 0) it waits for the first
-    commit and starts with everything in it.
-    """
-    state = shard.state()
-    if as_of is None and state.upper == 0:
-        while state.upper == 0:
-            time.sleep(shard.client.config.listen_poll_max_s)
-            state = shard.machine.fetch_latest()
-        yield from reader.subscribe(state.upper - 1)
+def tail_events(shard: Shard, reader: ReadHandle, after: int | None) -> Iterator[ListenEvent]:
+    """Every batch committed after time ``after``, forever; with ``after`` None (the shard
+    had nothing complete yet), from the first commit on, starting with everything in it."""
+    if after is not None:
+        yield from reader.listen(after)
         return
-    at = _check_as_of(state, as_of)
-    yield from reader.listen(at)
+    state = shard.state()
+    while state.upper == 0:
+        time.sleep(shard.client.config.listen_poll_max_s)
+        state = shard.machine.fetch_latest()
+    yield from reader.subscribe(state.upper - 1)
 
 
 def tail(where: Location, name: str, as_of: int | None, as_json: bool) -> int:
@@ -821,12 +820,15 @@ def tail(where: Location, name: str, as_of: int | None, as_json: bool) -> int:
     One line per update, in time order within each batch: ``TIME +DIFF
     col=value ...``, or with ``as_json`` one JSON object of the row's columns
     with ``_time`` and ``_diff``. A reader holds what is still to print
-    against GC while it runs and is expired on the way out.
+    against GC while it runs and is expired on the way out; a bad ``as_of``
+    is refused before it is registered.
     """
     with _shard(where, name) as (_client, shard):
+        state = shard.state()
+        after = None if as_of is None and state.upper == 0 else _check_as_of(state, as_of)
         reader = shard.reader(f"tail-{uuid.uuid4().hex[:12]}")
         try:
-            for event in tail_events(shard, reader, as_of):
+            for event in tail_events(shard, reader, after):
                 table = reader.fetch(event.parts).sort_by("_time")
                 for row in table.to_pylist():
                     print(_tail_line(row, as_json), flush=True)
