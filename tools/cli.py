@@ -228,8 +228,14 @@ def check_location_exists(blob_uri: str, consensus_uri: str) -> None:
     empty location and leave a new directory or database behind. Both URIs
     are checked by the registry every entry point uses (InvalidUri if bad).
     """
-    from pyspark_persist.state.registry import file_blob_directory, sqlite_file
+    from pyspark_persist.state.registry import (
+        blob_kind,
+        consensus_kind,
+        file_blob_directory,
+        sqlite_file,
+    )
 
+    blob_kind(blob_uri), consensus_kind(consensus_uri)  # a bad URI first, whichever it is
     hint = "check --consensus/--blob, or $PERSIST_HOME for the embedded default"
     db = sqlite_file(consensus_uri)
     if db is not None and not os.path.isfile(db):
