@@ -882,35 +882,52 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 PASSTHROUGH = {**CONTEXT, "ignore_unknown_options": True, "help_option_names": []}
 
 
+def _remember(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Keep a location flag in the context's meta (shared by the command chain), so one given
+    after the command overrides one given before it."""
+    if value is not None:
+        ctx.meta[f"persist.{param.name}"] = value
+
+
 def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """``--blob``, ``--consensus`` and ``--pubsub``, on the root and on each shards command."""
-    f = click.option(
-        "--pubsub",
-        metavar="SPEC",
-        default=None,
-        help="PubSub of this command's client: off (default), host:port, auto or postgres",
-    )(f)
-    f = click.option(
-        "--consensus",
-        metavar="URI",
-        default=None,
-        help="Consensus URI: sqlite:///file.db, postgresql://..., mem://name "
-        "(default: the embedded default under $PERSIST_HOME)",
-    )(f)
-    return click.option(
-        "--blob",
-        metavar="URI",
-        default=None,
-        help="Blob URI: file:///dir, s3://bucket/prefix, mem://name "
-        "(default: the embedded default under $PERSIST_HOME)",
-    )(f)
+    for name, metavar, help_text in reversed(LOCATION_FLAGS):
+        f = click.option(
+            f"--{name}",
+            metavar=metavar,
+            default=None,
+            expose_value=False,
+            callback=_remember,
+            help=help_text,
+        )(f)
+    return f
 
 
-def _where(blob: str | None, consensus: str | None, pubsub: str | None) -> Location:
+LOCATION_FLAGS = (
+    (
+        "blob",
+        "URI",
+        "Blob URI: file:///dir, s3://bucket/prefix, mem://name "
+        "(default: the embedded default under $PERSIST_HOME)",
+    ),
+    (
+        "consensus",
+        "URI",
+        "Consensus URI: sqlite:///file.db, postgresql://..., mem://name "
+        "(default: the embedded default under $PERSIST_HOME)",
+    ),
+    (
+        "pubsub",
+        "SPEC",
+        "PubSub of this command's client: off (default), host:port, auto or postgres",
+    ),
+)
+
+
+def _where() -> Location:
     """The location of this command: its own flags, else those given before the command."""
-    root = click.get_current_context().find_root().obj
-    given = root if isinstance(root, Location) else Location()
-    return Location(blob or given.blob, consensus or given.consensus, pubsub or given.pubsub)
+    meta = click.get_current_context().meta
+    return Location(*(meta.get(f"persist.{name}") for name, _, _ in LOCATION_FLAGS))
 
 
 def _emit(result: dict[str, Any], as_json: bool, text: Callable[[dict[str, Any]], str]) -> int:
@@ -924,6 +941,11 @@ def _emit(result: dict[str, Any], as_json: bool, text: Callable[[dict[str, Any]]
 JSON_HELP = "print JSON instead of text"
 
 
+def _as_of_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--as-of T``, a time (``show`` reads at it, ``tail`` prints what comes after it)."""
+    return click.option("--as-of", type=int, default=None, metavar="T", help=help_text)
+
+
 @click.group(
     context_settings=CONTEXT,
     no_args_is_help=False,
@@ -934,10 +956,8 @@ JSON_HELP = "print JSON instead of text"
 @click.version_option(
     package_name="pyspark-persist", prog_name="persist", message="%(prog)s %(version)s"
 )
-@click.pass_context
-def cli(ctx: click.Context, blob: str | None, consensus: str | None, pubsub: str | None) -> None:
-    """The root: remembers the location flags given before the command."""
-    ctx.obj = Location(blob, consensus, pubsub)
+def cli() -> None:
+    """The root: its location flags are remembered for the command (see :func:`_where`)."""
 
 
 @cli.group(context_settings=CONTEXT, no_args_is_help=False)
@@ -948,9 +968,9 @@ def shards() -> None:
 @shards.command("list")
 @_location_options
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def shards_list(blob: str | None, consensus: str | None, pubsub: str | None, as_json: bool) -> int:
+def shards_list(as_json: bool) -> int:
     """List every shard with its frontiers, size, readers and writers."""
-    return _emit(list_shards(_where(blob, consensus, pubsub)), as_json, format_list)
+    return _emit(list_shards(_where()), as_json, format_list)
 
 
 def _inspect_command(name: str, help_text: str, short_help: str) -> click.Command:
@@ -958,10 +978,8 @@ def _inspect_command(name: str, help_text: str, short_help: str) -> click.Comman
     @_location_options
     @click.argument("name", metavar="NAME")
     @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-    def command(
-        blob: str | None, consensus: str | None, pubsub: str | None, name: str, as_json: bool
-    ) -> int:
-        where = _where(blob, consensus, pubsub)
+    def command(name: str, as_json: bool) -> int:
+        where = _where()
         with _shard(where, name) as (client, shard):
             info = inspect_shard(client, shard, where.pubsub)
         return _emit(info, as_json, format_inspect)
@@ -987,13 +1005,7 @@ cli.add_command(
 @shards.command("show", short_help="Print a shard's contents as of a time.")
 @_location_options
 @click.argument("name", metavar="NAME")
-@click.option(
-    "--as-of",
-    type=int,
-    default=None,
-    metavar="T",
-    help="the time to read (default: upper - 1, the latest complete time)",
-)
+@_as_of_option("the time to read (default: upper - 1, the latest complete time)")
 @click.option(
     "--limit",
     type=click.IntRange(min=0),
@@ -1003,18 +1015,10 @@ cli.add_command(
     help="rows to print",
 )
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def shards_show(
-    blob: str | None,
-    consensus: str | None,
-    pubsub: str | None,
-    name: str,
-    as_of: int | None,
-    limit: int,
-    as_json: bool,
-) -> int:
+def shards_show(name: str, as_of: int | None, limit: int, as_json: bool) -> int:
     """Print a shard's contents as of a time, consolidated: each distinct (row, time) with its
     non-zero diff."""
-    result = show(_where(blob, consensus, pubsub), name, as_of, limit)
+    result = show(_where(), name, as_of, limit)
     if as_json:
         del result["columns"]
     return _emit(result, as_json, format_show)
@@ -1023,30 +1027,17 @@ def shards_show(
 @shards.command("tail", short_help="Follow a shard's changes as they commit.")
 @_location_options
 @click.argument("name", metavar="NAME")
-@click.option(
-    "--as-of",
-    type=int,
-    default=None,
-    metavar="T",
-    help="print the changes after this time (default: those committed from now on)",
-)
+@_as_of_option("print the changes after this time (default: those committed from now on)")
 @click.option(
     "--json",
     "as_json",
     is_flag=True,
     help="one JSON object per change: the row's columns, _time and _diff",
 )
-def shards_tail(
-    blob: str | None,
-    consensus: str | None,
-    pubsub: str | None,
-    name: str,
-    as_of: int | None,
-    as_json: bool,
-) -> int:
+def shards_tail(name: str, as_of: int | None, as_json: bool) -> int:
     """Follow a shard: print each change as it commits, until Ctrl-C. With --pubsub, changes
     are pushed to it; otherwise it polls Consensus."""
-    return tail(_where(blob, consensus, pubsub), name, as_of, as_json)
+    return tail(_where(), name, as_of, as_json)
 
 
 @shards.command("compact")
@@ -1054,16 +1045,9 @@ def shards_tail(
 @click.argument("name", metavar="NAME")
 @click.option("--dry-run", is_flag=True, help="show the merges it would run; change nothing")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def shards_compact(
-    blob: str | None,
-    consensus: str | None,
-    pubsub: str | None,
-    name: str,
-    dry_run: bool,
-    as_json: bool,
-) -> int:
+def shards_compact(name: str, dry_run: bool, as_json: bool) -> int:
     """Run compaction now, until the policy asks for nothing more."""
-    result = compact(_where(blob, consensus, pubsub), name, dry_run=dry_run)
+    result = compact(_where(), name, dry_run=dry_run)
     return _emit(result, as_json, format_compact)
 
 
@@ -1072,17 +1056,10 @@ def shards_compact(
 @click.argument("name", metavar="NAME")
 @click.option("--dry-run", is_flag=True, help="show what it would delete; change nothing")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def shards_gc(
-    blob: str | None,
-    consensus: str | None,
-    pubsub: str | None,
-    name: str,
-    dry_run: bool,
-    as_json: bool,
-) -> int:
+def shards_gc(name: str, dry_run: bool, as_json: bool) -> int:
     """Run garbage collection now: expire stale readers, delete garbage, truncate Consensus,
     sweep orphans."""
-    return _emit(gc(_where(blob, consensus, pubsub), name, dry_run=dry_run), as_json, format_gc)
+    return _emit(gc(_where(), name, dry_run=dry_run), as_json, format_gc)
 
 
 @shards.command("drop", short_help="Delete a shard for good (asks first).")
@@ -1093,18 +1070,10 @@ def shards_gc(
     "--force", is_flag=True, help="drop even while readers hold the shard (they will fail)"
 )
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def shards_drop(
-    blob: str | None,
-    consensus: str | None,
-    pubsub: str | None,
-    name: str,
-    yes: bool,
-    force: bool,
-    as_json: bool,
-) -> int:
+def shards_drop(name: str, yes: bool, force: bool, as_json: bool) -> int:
     """Delete a shard for good: every Consensus row and Blob object of it. Asks first (--yes
     does not); refuses while readers hold it (--force drops anyway). Stop its writers first."""
-    result = drop(_where(blob, consensus, pubsub), name, yes=yes, force=force)
+    result = drop(_where(), name, yes=yes, force=force)
     return _emit(result, as_json, format_drop)
 
 
@@ -1180,7 +1149,7 @@ def bench() -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def check(args: tuple[str, ...]) -> int:
     """The consistency checker (see persist check --help)."""
-    given = _where(None, None, None)
+    given = _where()
     location = [*("--blob", given.blob)] if given.blob else []
     location += [*("--consensus", given.consensus)] if given.consensus else []
     return _delegate(
