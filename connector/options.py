@@ -28,7 +28,8 @@ from pyspark_persist.state.client import (
     default_consensus_uri,
     validate_shard_name,
 )
-from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.errors import InvalidUri, InvalidUsage
+from pyspark_persist.state.registry import resolve
 
 Purpose = Literal["read", "stream_read", "read_schema", "write", "stream_write"]
 
@@ -183,8 +184,8 @@ class PersistOptions:
         pubsub = opts.get(PUBSUB)
         return cls(
             shard=name,
-            blob=opts.get(BLOB) or default_blob_uri(),
-            consensus=opts.get(CONSENSUS) or default_consensus_uri(),
+            blob=_uri(opts, said, BLOB) or default_blob_uri(),
+            consensus=_uri(opts, said, CONSENSUS) or default_consensus_uri(),
             pubsub=None if pubsub in (None, "", "off", "none") else pubsub,
             starting_position="latest" if position == "latest" else "earliest",
             starting_as_of=starting_as_of,
@@ -258,6 +259,22 @@ def _settings(given: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]
     for setting in _BY_KEY:
         said.setdefault(setting, SPELLING[setting])
     return opts, said
+
+
+def _uri(opts: Mapping[str, str], said: Mapping[str, str], key: str) -> str | None:
+    """A Blob or Consensus URI, checked against the scheme table every entry point uses.
+
+    Checked here, on the driver, so a bad scheme fails before any task runs,
+    with the error ``PersistClient.open`` and the CLI give for it.
+    """
+    uri = opts.get(key)
+    if not uri:
+        return None
+    try:
+        resolve("blob" if key == BLOB else "consensus", uri)
+    except InvalidUri as e:
+        raise InvalidUri(f"persist: option {said[key]}: {e}") from None
+    return uri
 
 
 def _int(

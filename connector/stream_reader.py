@@ -44,17 +44,13 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import blob_for
-from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.errors import DataLoss, InvalidUsage
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
 
 log = logging.getLogger(__name__)
-
-
-class DataLoss(InvalidUsage):
-    """The offsets to read were compacted away (failOnDataLoss is true)."""
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING
 
 from ..state.errors import InvalidUsage
 from ..state.machine import DiffPublisher, NoopPublisher
+from ..state.registry import consensus_kind
 from .metrics import PubSubMetrics
 
 if TYPE_CHECKING:
@@ -112,18 +113,18 @@ def connect(
     lowered = text.lower()
     if lowered in _OFF:
         return NoopPublisher()
-    scheme = consensus_uri.partition("://")[0].split("+", 1)[0].lower()
+    kind = consensus_kind(consensus_uri)
     if lowered in ("postgres", "postgresql"):
-        if scheme not in ("postgres", "postgresql"):
+        if kind != "postgresql":
             raise InvalidUsage(
-                f"pubsub={spec!r} needs a postgresql:// Consensus, not {scheme}://; "
+                f"pubsub={spec!r} needs a postgresql:// Consensus, not {kind}://; "
                 "use pubsub=auto or pubsub=host:port instead"
             )
         from .postgres import PostgresPublisher
 
         return PostgresPublisher(consensus_uri)
     if lowered == "auto" or lowered.startswith("auto:"):
-        return _auto(text[5:] or None, consensus_uri, scheme)
+        return _auto(text[5:] or None, consensus_uri, kind)
     tls = lowered.startswith("tls://")
     address = text[7:] if lowered.startswith("grpc://") else text[6:] if tls else text
     host, sep, port = address.rpartition(":")
@@ -147,7 +148,7 @@ def connect(
     )
 
 
-def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublisher:
+def _auto(directory: str | None, consensus_uri: str, kind: str) -> DiffPublisher:
     """``auto``: the server one process starts for the others honours the same security
     settings as ``persist pubsub serve``, from the environment: ``$PERSIST_PUBSUB_TOKEN``
     (required of every client, sent by every client) and ``$PERSIST_PUBSUB_TLS_CERT`` /
@@ -155,7 +156,7 @@ def _auto(directory: str | None, consensus_uri: str, scheme: str) -> DiffPublish
     from .auto import AutoDiscovery, directory_for
 
     if directory is None:
-        if scheme in ("postgres", "postgresql"):
+        if kind == "postgresql":
             from .postgres import PostgresPublisher
 
             return PostgresPublisher(consensus_uri)

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 
+from ..state.registry import sqlite_file
 from .server import PubSubServer
 
 log = logging.getLogger(__name__)
@@ -134,11 +135,5 @@ def stop_serving(directory: str) -> None:
 
 def directory_for(consensus_uri: str) -> str | None:
     """Where ``auto`` advertises the server for ``consensus_uri``: next to a SQLite file."""
-    if not consensus_uri.lower().startswith("sqlite"):
-        return None
-    from sqlalchemy.engine import make_url
-
-    path = make_url(consensus_uri).database or ""
-    if not path or path == ":memory:":
-        return None
-    return os.path.dirname(os.path.abspath(path))
+    path = sqlite_file(consensus_uri)
+    return None if path is None else os.path.dirname(path)

@@ -269,12 +269,15 @@ class PubSubServer:
         allow_remote: bool = False,
     ) -> None:
         if not allow_remote and not is_loopback(host):
-            raise ValueError(
+            raise InvalidUsage(
                 f"refusing to serve persist PubSub on non-loopback address {host!r}: pass "
                 "allow_remote=True (--allow-remote), ideally with TLS and a token"
             )
         if (tls_cert is None) != (tls_key is None):
-            raise ValueError("persist PubSub TLS needs both a certificate and its key")
+            raise InvalidUsage(
+                "persist PubSub TLS needs both a certificate and its key: pass tls_cert and "
+                "tls_key (--tls-cert and --tls-key), or neither"
+            )
         self.host = host
         self.port = port
         self._tls = None if tls_cert is None else (tls_key, tls_cert)

@@ -23,6 +23,7 @@ import time
 
 from ..state.cache import SharedState
 from ..state.consensus import VersionedData
+from ..state.registry import consensus_kind
 from .metrics import PubSubMetrics
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 
 def location_key(consensus_uri: str) -> str | None:
     """The normalised Consensus location of ``consensus_uri``; None for ``mem://`` (in-process)."""
-    scheme = consensus_uri.partition("://")[0].split("+", 1)[0].lower()
-    if scheme == "mem":
+    kind = consensus_kind(consensus_uri)
+    if kind == "mem":
         return None
     try:
         from sqlalchemy.engine import make_url
@@ -40,7 +41,7 @@ def location_key(consensus_uri: str) -> str | None:
     except Exception:  # noqa: BLE001 - not a SQL URL: use it as it is
         return consensus_uri
     query = {k: v for k, v in url.query.items() if k != "password"}
-    if scheme == "sqlite":
+    if kind == "sqlite":
         return f"sqlite:///{os.path.abspath(url.database or '')}?{sorted(query.items())}"
     host = url.host or ""
     return f"postgresql://{url.username or ''}@{host}:{url.port or 5432}/{url.database or ''}" + (

@@ -52,6 +52,14 @@ class SharedState:
             self._stale_gen += 1
             self._cond.notify_all()
 
+    def forget(self) -> None:
+        """Drop the cached state: the shard was dropped, so the next read finds it gone (a
+        recreated shard starts again at SeqNo 1, which :meth:`update` would refuse)."""
+        with self._cond:
+            self._state = None
+            self._stale_gen += 1
+            self._cond.notify_all()
+
     def wait_for_seqno_after(self, seqno: int, timeout_s: float) -> ShardState | None:
         """Block until the cached state is newer than ``seqno`` or the timeout passes.
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CorruptData, IncompatibleVersion
+from .errors import CorruptData, IncompatibleVersion, ShardNotFound
 from .state import MAP_CODECS, SCALARS, ShardState
 
 FORMAT_VERSION = 1
@@ -131,8 +131,18 @@ def encode(diff: StateDiff) -> bytes:
     return _HEADER.pack(_MAGIC, FORMAT_VERSION, zlib.crc32(body)) + body
 
 
+DROPPED = b"pyspark-persist: dropped shard"
+"""The data of the last row a drop appends (:mod:`.drop`): not a diff, so no process can build
+on it, and :func:`decode` reports the shard as gone."""
+
+
 def decode(data: bytes, *, where: str) -> StateDiff:
     """Decode what :func:`encode` wrote; ``where`` names the row or object for errors."""
+    if data == DROPPED:
+        raise ShardNotFound(
+            f"{where}: the shard is being dropped (persist shards drop); open it again once "
+            "the drop is done to create a new shard of that name"
+        )
     if len(data) < _HEADER.size:
         raise CorruptData(f"{where}: state data is truncated ({len(data)} bytes)")
     magic, version, crc = _HEADER.unpack_from(data)

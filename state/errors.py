@@ -12,9 +12,14 @@ a caller needs to decide what to do next (the habit comes from persist's
 - :class:`InvalidUsage`: the caller's bug (bad URI, bad frontier, schema
   mismatch). Nothing was written; fix the call.
 
-Losing a compare-and-set race is *not* an error: it is a returned value
-(:class:`pyspark_persist.state.location.CaSMismatch`,
-:class:`pyspark_persist.state.write.UpperMismatch`).
+Losing a race is *not* an error: it is a returned value
+(:class:`pyspark_persist.state.consensus.CaSMismatch`,
+:class:`pyspark_persist.state.write.UpperMismatch`, and a fenced critical
+reader's :class:`pyspark_persist.state.commands.CriticalSince` with
+``ok=False``, which carries the newer fencing token).
+
+Every class below is public and named in the README's Errors section. The
+connector, PubSub and the tools raise these too, never bare ``ValueError``.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ class ShardNotFound(InvalidUsage):
     """The named shard does not exist in this Consensus."""
 
 
+class ShardInUse(InvalidUsage):
+    """Readers hold the shard (a live lease or a critical since), so it was not dropped."""
+
+
 class ShardExists(InvalidUsage):
     """The named shard already exists and the caller asked to create it fresh."""
 
@@ -72,6 +81,16 @@ class InvalidUpdates(InvalidUsage):
     """Updates passed to a write are malformed (columns, types, times outside the batch)."""
 
 
+class DataLoss(InvalidFrontier):
+    """A stream's next offsets were compacted away, so it cannot go on exactly once.
+
+    The Spark source raises it when ``failOnDataLoss`` is true (the default)
+    and the times it must read next are before the shard's since. Nothing was
+    read or written; restart the query from a new checkpoint, or set
+    ``failOnDataLoss=false`` to skip ahead to what is still readable.
+    """
+
+
 class PartNotFound(PersistError):
     """A part key named in the shard's state (or by the caller) is missing from Blob."""
 
@@ -86,7 +105,3 @@ class IncompatibleVersion(CorruptData):
 
 class LeaseExpired(InvalidUsage):
     """A reader's lease expired (it stopped heartbeating); open a new reader."""
-
-
-class FencedOut(InvalidUsage):
-    """A critical since handle was superseded by one with a newer fencing token."""

@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 
 from . import commands
 from .config import PersistConfig
+from .consensus import VersionedData
 from .diff import decode
 from .errors import PersistError
 from .machine import Machine
@@ -106,6 +107,31 @@ def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch,
         best = min(windows, key=lambda i: sum(b.rows for b in trace[i : i + fan]))
         return trace[best : best + fan]
     return None
+
+
+def compaction_plan(
+    state: ShardState, config: PersistConfig, max_rounds: int = 1000
+) -> list[tuple[Batch, ...]]:
+    """The merges compaction would run now, in order, as data (``--dry-run``). Pure.
+
+    Each planned merge is applied to a copy of the state as its inputs' parts
+    side by side, so the next round is planned on what the merge leaves. Real
+    compaction consolidates, and a merge whose updates cancel out ends up
+    smaller, which can change the rounds after it; the first is exact.
+    """
+    plan: list[tuple[Batch, ...]] = []
+    for _ in range(max_rounds):
+        request = compaction_request(state, config)
+        if request is None:
+            break
+        plan.append(request)
+        parts = tuple(p for b in request for p in b.parts)
+        merged = Batch(request[0].lower, request[-1].upper, min(b.since for b in request), parts)
+        outcome = commands.apply_merge(state, replaced=request, merged=merged)
+        if not isinstance(outcome, commands.Apply):
+            break
+        state = state.apply(outcome.diff)
+    return plan
 
 
 @dataclass(frozen=True)
@@ -182,52 +208,24 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
     if not claimed and not force and not sweep_orphans:
         return GcReport(seqno_since, 0, 0, 0, 0, expired)
     shard = machine.shard_id
-    rows = machine.consensus.scan(shard, 0)
-    if not rows:
+    history = _read_history(machine)
+    if history is None:
         return GcReport(seqno_since, 0, 0, 0, 0, expired)
-    first = rows[0].seqno
-    if first == 1:
-        walk = EMPTY_STATE
-        pending = rows
-    else:
-        data = machine.blob.get(rollup_key(shard, first))
-        if data is None:  # another GC truncated meanwhile; it did our work
-            return GcReport(seqno_since, 0, 0, 0, 0, expired)
-        walk = EMPTY_STATE.apply(decode(data, where=f"rollup {rollup_key(shard, first)!r}"))
-        pending = rows[1:]
-    # Walk the live diffs: parts of batches removed before seqno_since are garbage
-    # unless the state at seqno_since still references them.
-    candidates: set[str] = set()
-    live: set[str] = set()
-    at_since = walk
-    for row in pending:
-        diff = decode(row.data, where=f"consensus row {shard!r} SeqNo {row.seqno}")
-        if row.seqno <= seqno_since:
-            for key in diff.maps.get("batches", ({}, frozenset()))[1]:
-                old = walk.batches.get(key)
-                if old is not None:
-                    candidates.update(p.key for p in old.parts if p.key is not None)
-        walk = walk.apply(diff)
-        if walk.seqno <= seqno_since:
-            at_since = walk
-        live.update(p.key for b in walk.batches.values() for p in b.parts if p.key is not None)
-    keep = {p.key for b in at_since.batches.values() for p in b.parts if p.key is not None}
-    garbage = candidates - keep
-    for key in garbage:
-        machine.blob.delete(key)
+    start, pending, first = history
+    walk = gc_walk(start, pending, seqno_since)
+    garbage, live, keep, at_since = walk.garbage, walk.live, walk.keep, walk.at_since
+    machine.blob.delete_many(sorted(garbage))
 
     # Truncate Consensus below a rollup at (or a little before) seqno_since.
-    rollup_at = max((s for s in at_since.rollups if s <= at_since.seqno), default=0)
-    if at_since.seqno - rollup_at >= machine.config.rollup_interval // 2 or rollup_at < first:
+    rollup_at, new_rollup = truncation_point(at_since, first, machine.config)
+    if new_rollup:
         key = write_rollup(machine.blob, at_since)
         machine.run(lambda s: commands.add_rollup(s, seqno=at_since.seqno, key=key))
-        rollup_at = at_since.seqno
     truncated = machine.consensus.truncate(shard, rollup_at) if rollup_at > first else 0
     current = machine.fetch_latest()
     old_rollups = tuple(s for s in current.rollups if s < rollup_at)
     removed = machine.run(lambda s: commands.remove_rollups(s, seqnos=old_rollups))
-    for s in removed:
-        machine.blob.delete(rollup_key(shard, s))
+    machine.blob.delete_many(rollup_key(shard, s) for s in removed)
 
     orphans = 0
     if sweep_orphans:
@@ -248,21 +246,144 @@ def _sweep_orphans(
     machine: Machine, live: set[str], oldest_rollup: int, rollups: set[int], now_ms: int
 ) -> int:
     """Delete parts no live state references once past the grace period, and stray rollups."""
+    return machine.blob.delete_many(_orphans(machine, live, oldest_rollup, rollups, now_ms))
+
+
+def _orphans(
+    machine: Machine, live: set[str], oldest_rollup: int, rollups: set[int], now_ms: int
+) -> list[str]:
+    """The keys the orphan sweep deletes (reads the shard's Blob listing, changes nothing)."""
     shard = machine.shard_id
     grace_ms = int(machine.config.staged_part_grace_s * 1000)
-    deleted = 0
+    doomed = []
     for meta in list(machine.blob.list_keys(f"{shard}/part/")):
         created = part_key_created_ms(meta.key)
-        if meta.key in live or created is None or now_ms - created < grace_ms:
-            continue
-        machine.blob.delete(meta.key)
-        deleted += 1
+        if meta.key not in live and created is not None and now_ms - created >= grace_ms:
+            doomed.append(meta.key)
     for meta in list(machine.blob.list_keys(f"{shard}/rollup/")):
         seqno = int(meta.key.rsplit("/", 1)[1])
         if seqno < oldest_rollup and seqno not in rollups:
-            machine.blob.delete(meta.key)
-            deleted += 1
-    return deleted
+            doomed.append(meta.key)
+    return doomed
+
+
+def _read_history(machine: Machine) -> tuple[ShardState, list[VersionedData], int] | None:
+    """The state at the oldest Consensus row, the rows to apply to it, and that row's SeqNo.
+
+    None if there are no rows, or if another GC truncated meanwhile (the
+    oldest row's rollup is gone: that GC did the work).
+    """
+    shard = machine.shard_id
+    rows = machine.consensus.scan(shard, 0)
+    if not rows:
+        return None
+    first = rows[0].seqno
+    if first == 1:
+        return EMPTY_STATE, rows, first
+    data = machine.blob.get(rollup_key(shard, first))
+    if data is None:
+        return None
+    start = EMPTY_STATE.apply(decode(data, where=f"rollup {rollup_key(shard, first)!r}"))
+    return start, rows[1:], first
+
+
+@dataclass(frozen=True)
+class GcWalk:
+    """What walking a shard's live diffs tells GC (see :func:`gc_walk`)."""
+
+    garbage: set[str]
+    """Part keys of batches removed before ``seqno_since`` that no kept state references."""
+    live: set[str]
+    """Part keys some state from the oldest row on references (the sweep keeps them)."""
+    keep: set[str]
+    """Part keys the state at ``seqno_since`` references."""
+    at_since: ShardState
+    """The state at ``seqno_since`` (or the newest before it)."""
+
+
+def gc_walk(start: ShardState, rows: list[VersionedData], seqno_since: int) -> GcWalk:
+    """Apply ``rows`` to ``start`` and sort the part keys met into garbage and live. Pure.
+
+    Parts of batches removed by diffs at or before ``seqno_since`` are garbage
+    unless the state at ``seqno_since`` still references them: every state
+    from ``seqno_since`` on must stay readable.
+    """
+    shard = start.shard_id
+    candidates: set[str] = set()
+    live: set[str] = set()
+    walk = at_since = start
+    for row in rows:
+        diff = decode(row.data, where=f"consensus row {shard!r} SeqNo {row.seqno}")
+        if row.seqno <= seqno_since:
+            for key in diff.maps.get("batches", ({}, frozenset()))[1]:
+                old = walk.batches.get(key)
+                if old is not None:
+                    candidates.update(p.key for p in old.parts if p.key is not None)
+        walk = walk.apply(diff)
+        if walk.seqno <= seqno_since:
+            at_since = walk
+        live.update(p.key for b in walk.batches.values() for p in b.parts if p.key is not None)
+    keep = {p.key for b in at_since.batches.values() for p in b.parts if p.key is not None}
+    return GcWalk(candidates - keep, live, keep, at_since)
+
+
+def truncation_point(at_since: ShardState, first: int, config: PersistConfig) -> tuple[int, bool]:
+    """The SeqNo GC truncates Consensus below, and whether it first writes a rollup there. Pure.
+
+    A rollup sits at (or a little before) ``seqno_since``; a new one is
+    written when the newest is more than half a ``rollup_interval`` behind,
+    or older than the oldest row left.
+    """
+    rollup_at = max((s for s in at_since.rollups if s <= at_since.seqno), default=0)
+    if at_since.seqno - rollup_at >= config.rollup_interval // 2 or rollup_at < first:
+        return at_since.seqno, True
+    return rollup_at, False
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    """What a full GC pass (with the orphan sweep) would do now; nothing was changed."""
+
+    seqno_since: int
+    readers_expired: tuple[str, ...]
+    parts: tuple[str, ...]
+    rollups: tuple[int, ...]
+    consensus_rows: int
+    orphans: tuple[str, ...]
+
+
+def plan_gc(machine: Machine) -> GcPlan:
+    """The deletions :func:`gc` with ``sweep_orphans`` would make now, read without writing.
+
+    It reads state, the Consensus rows and the Blob listing, and runs the
+    pure steps :func:`gc` runs (reader expiry, :func:`gc_walk`,
+    :func:`truncation_point`), so what it names is what a pass started now
+    would delete, unless the shard changes first.
+    """
+    now = machine.clock_ms()
+    state = machine.fetch_latest()
+    outcome = commands.expire_leased_readers(state, now_ms=now)
+    if isinstance(outcome, commands.Apply):
+        state = state.apply(outcome.diff)
+    seqno_since = state.seqno_since
+    history = _read_history(machine)
+    if history is None:
+        return GcPlan(seqno_since, outcome.result, (), (), 0, ())
+    start, pending, first = history
+    walk = gc_walk(start, pending, seqno_since)
+    rollup_at, _ = truncation_point(walk.at_since, first, machine.config)
+    # Every row from ``first`` up to the head is there (rows are consecutive).
+    rows = min(rollup_at, state.seqno) - first if rollup_at > first else 0
+    rollups = tuple(s for s in state.rollups if s < rollup_at)
+    orphans = _orphans(machine, walk.live | walk.keep, rollup_at, set(state.rollups), now)
+    return GcPlan(
+        seqno_since,
+        outcome.result,
+        tuple(sorted(walk.garbage)),
+        rollups,
+        rows,
+        tuple(orphans),
+    )
 
 
 _STOP = object()

@@ -98,10 +98,12 @@ from pyspark_persist.state.errors import (
     CorruptData,
     Determinate,
     Indeterminate,
+    InvalidUsage,
     PartNotFound,
     PersistError,
 )
 from pyspark_persist.state.parts import TIME
+from pyspark_persist.state.registry import blob_kind, consensus_kind
 from pyspark_persist.state.unreliable import (
     FAULT_KINDS,
     Faults,
@@ -682,20 +684,25 @@ def run(
     readers: int = 2,
     sabotage: str | None = None,
     root: str | None = None,
+    location: Location | None = None,
 ) -> Report:
-    """Run the workload for ``duration_s`` and verify its history; see the module doc."""
+    """Run the workload for ``duration_s`` and verify its history; see the module doc.
+
+    ``location`` runs it there instead of a fresh ``backend`` location.
+    """
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 31)
     if sabotage is not None and sabotage not in SABOTAGE:
         raise ValueError(f"unknown sabotage {sabotage!r}: use one of {', '.join(SABOTAGE)}")
-    if processes and backend == "mem":
+    if processes and backend == "mem" and location is None:
         raise ValueError(
             "writer processes need a shared location: use file-sqlite or file-postgres, not mem"
         )
     rng = random.Random(seed)
-    report = Report(seed=seed, backend=backend, sabotage=sabotage)
+    where = backend if location is None else f"{location.blob_uri} + {location.consensus_uri}"
+    report = Report(seed=seed, backend=where, sabotage=sabotage)
     rec = Recorder(report)
-    loc = make_location(backend, root)
+    loc = location or make_location(backend, root)
     shard_name = f"check-{seed}-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     clients: list[FaultyClient] = []
@@ -1027,18 +1034,39 @@ def _run(
         rec.op("worker_crashes", len(errors))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: run the checker, print the report, exit 1 on any violation."""
-    parser = argparse.ArgumentParser(
-        prog="python -m pyspark_persist.tools.checker",
-        description="Randomized exactly-once checker of persist shards under injected faults.",
-    )
+DESCRIPTION = (
+    "Check that persist never loses or duplicates a committed update: for --seconds, writers "
+    "(threads, and --processes), snapshot readers, a listener, compaction and GC run at once "
+    "against Blob and Consensus wrappers that inject faults (lost replies, refused calls, "
+    "timeouts, slowness); then every acknowledged write must appear exactly once, every "
+    "snapshot must equal the reference history at its time, uppers must only advance and no "
+    "leased read may hit a deleted part. The location is a fresh --backend one, or the one "
+    "--blob and --consensus name (the check's shard, check-SEED-..., is left there). Exit "
+    "status 1 on any violation; --seed replays a run."
+)
+BACKEND_NAMES = {"mem-mem": "mem", **{b: b for b in BACKENDS}}
+"""What ``--backend`` accepts: every backend, and ``mem-mem`` (Blob-Consensus, as the
+benchmarks name locations) for ``mem``."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``persist check`` to ``parser``."""
+    parser.description = DESCRIPTION
     parser.add_argument("--seed", type=int, default=None, help="replay this seed")
     parser.add_argument("--seconds", type=float, default=30.0, help="workload duration")
     parser.add_argument("--writers", type=int, default=4, help="writer threads")
     parser.add_argument("--processes", type=int, default=0, help="writer processes (spawned)")
     parser.add_argument("--readers", type=int, default=2, help="snapshot reader threads")
-    parser.add_argument("--backend", choices=BACKENDS, default="mem")
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKEND_NAMES),
+        default=None,
+        help="a fresh location of this kind (default mem; mem-mem is the same)",
+    )
+    parser.add_argument("--blob", metavar="URI", default=None, help="run on this Blob instead")
+    parser.add_argument(
+        "--consensus", metavar="URI", default=None, help="run on this Consensus instead"
+    )
     parser.add_argument(
         "--sabotage",
         choices=SABOTAGE,
@@ -1051,16 +1079,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="ERROR",
         help="persist's own logging (it logs every retried fault at INFO)",
     )
-    ns = parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: run the checker, print the report, exit 1 on any violation."""
+    parser = argparse.ArgumentParser(prog="python -m pyspark_persist.tools.checker")
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+def given_location(ns: argparse.Namespace) -> Location | None:
+    """The location ``--blob`` and ``--consensus`` name (both or neither), checked by the
+    registry every entry point uses; None for a fresh ``--backend`` location."""
+    if ns.blob is None and ns.consensus is None:
+        return None
+    if ns.blob is None or ns.consensus is None or ns.backend is not None:
+        raise InvalidUsage(
+            "persist check: give --blob and --consensus together (a location of yours), or "
+            "--backend alone (a fresh one)"
+        )
+    if ns.processes and "mem" in (blob_kind(ns.blob), consensus_kind(ns.consensus)):
+        raise InvalidUsage(
+            "writer processes need a shared location: --blob and --consensus must not be mem://"
+        )
+    return Location(ns.blob, ns.consensus)
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run the checker with parsed flags; exit status 1 on any violation."""
+    location = given_location(ns)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     report = run(
         ns.seed,
         ns.seconds,
         ns.writers,
         ns.processes,
-        ns.backend,
+        BACKEND_NAMES[ns.backend or "mem"],
         readers=ns.readers,
         sabotage=ns.sabotage,
+        location=location,
     )
     if ns.json:
         import json

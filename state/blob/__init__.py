@@ -7,22 +7,26 @@ it holds, and that state is deterministic), so the contract is small:
 - ``get`` returns the bytes or ``None`` when the key does not exist;
 - ``set`` stores the bytes atomically: a reader sees all of them or no key;
 - ``delete`` is idempotent and returns the size freed (``None`` when absent);
+  ``delete_many`` deletes many keys, in batches where the store has a
+  batched delete (S3's ``delete_objects``), one by one otherwise;
 - ``list_keys`` lists keys under a prefix with their sizes, for GC.
 
-Backends are chosen by URI scheme with :func:`open_blob`: ``file:///path``
-(the embedded default, atomic write via rename), ``s3://bucket/prefix``
-(boto3, honours ``?endpoint_url=`` and the standard credential chain) and
-``mem://name`` (one process, for tests and benchmarks).
+Backends are chosen by URI scheme with :func:`open_blob` (the table is in
+:mod:`pyspark_persist.state.registry`): ``file:///path`` (the embedded
+default, atomic write via rename), ``s3://bucket/prefix`` (boto3, honours
+``?endpoint_url=`` and the standard credential chain) and ``mem://name``
+(one process, for tests and benchmarks).
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ..errors import InvalidUri, InvalidUsage
+from ..errors import InvalidUsage
+from ..registry import open_blob as open_blob
 from ..tracing import BLOB_TRACED, trace_store_class
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
@@ -75,31 +79,24 @@ class Blob(ABC):
     def delete(self, key: str) -> int | None:
         """Delete ``key``; idempotent. Returns the bytes freed, or ``None`` if it was absent."""
 
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Delete every key in ``keys`` (idempotent: absent keys are fine); return how many.
+
+        The count is of keys asked for, present or not, as a batched delete
+        cannot tell. Every key is checked before any is deleted. On a failure
+        it raises like :meth:`delete`: keys before the failing one (or its
+        batch) are gone, later ones may not be.
+        GC and the orphan sweep use it, so a backend with a batched delete
+        overrides it.
+        """
+        checked = [validate_key(key) for key in keys]  # a bad key deletes nothing
+        for key in checked:
+            self.delete(key)
+        return len(checked)
+
     @abstractmethod
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Yield every key that starts with ``prefix``, with its size (order unspecified)."""
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the Blob must not be used afterwards."""
-
-
-def open_blob(uri: str) -> Blob:
-    """Open the Blob named by ``uri`` (``file://``, ``s3://`` or ``mem://``)."""
-    scheme, sep, _ = uri.partition("://")
-    if not sep:
-        raise InvalidUri(
-            f"blob URI {uri!r} has no scheme: use file:///abs/path, s3://bucket/prefix or mem://name"
-        )
-    if scheme == "file":
-        from .file import FileBlob
-
-        return FileBlob.from_uri(uri)
-    if scheme == "s3":
-        from .s3 import S3Blob
-
-        return S3Blob.from_uri(uri)
-    if scheme == "mem":
-        from .mem import MemBlob
-
-        return MemBlob.from_uri(uri)
-    raise InvalidUri(f"unknown blob scheme {scheme!r} in {uri!r}: use file://, s3:// or mem://")

@@ -30,6 +30,15 @@ connection, a 5xx) still at the deadline raises :class:`Indeterminate`.
 Permanent failures (no credentials, access denied, no such bucket) are not
 retried.
 
+Large values go up as a multipart upload (above
+:data:`MULTIPART_THRESHOLD`, in :data:`MULTIPART_PART_BYTES` pieces), each
+request retried by the same policy; S3 makes the object visible only when the
+upload completes, so readers still see all of it or nothing, and an upload
+that fails is aborted so its pieces do not linger. (A bucket lifecycle rule
+that aborts incomplete uploads after a day also catches the pieces of a
+process killed mid-upload.) :meth:`S3Blob.delete_many` deletes up to 1,000
+keys per ``delete_objects`` request.
+
 The boto3 client is created lazily per process id: a client inherited through
 ``os.fork`` (Spark's Python workers fork) shares sockets with its parent, so
 the child builds its own on first use.
@@ -37,10 +46,11 @@ the child builds its own on first use.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -67,6 +77,8 @@ from ..errors import (
 from . import Blob, BlobMeta, BlobValue, validate_key
 
 # Loose on purpose: legacy buckets may hold upper case or '_'. No ':' (no port) or '@'.
+log = logging.getLogger(__name__)
+
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 _PARAM_NAME_RE = re.compile(r"^[a-z_]{1,40}$")
 _FLOAT_PARAMS = ("connect_timeout", "read_timeout")
@@ -74,6 +86,14 @@ _PARAMS = ("endpoint_url", "region", *_FLOAT_PARAMS, "max_attempts")
 _THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"})
 
 T = TypeVar("T")
+
+MULTIPART_THRESHOLD = 16 * 1024 * 1024
+"""A value larger than this is uploaded in pieces (one ``put_object`` holds it whole otherwise)."""
+MULTIPART_PART_BYTES = 16 * 1024 * 1024
+"""The size of each piece but the last (S3 wants at least 5 MiB; at most 10,000 pieces)."""
+DELETE_BATCH = 1000
+"""Keys per ``delete_objects`` request: S3's limit."""
+_TRANSIENT_DELETE_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown"})
 
 
 # Guards client creation. Recreated in a forked child, where a lock held by a
@@ -246,7 +266,7 @@ class S3Blob(Blob):
                 transient=_transient,
                 gave_up=gave_up,
             )
-        except (ClientError, BotoCoreError) as e:
+        except (ClientError, BotoCoreError, _DeleteErrors) as e:
             raise self._error(op, key, e, may_have_happened=may_have_happened) from e
 
     def _check_bucket(self) -> None:
@@ -284,15 +304,75 @@ class S3Blob(Blob):
         return self._call("get", key, fetch)
 
     def set(self, key: str, value: BlobValue) -> None:
-        """One ``put_object``: S3 makes it atomic (readers see the old or new object whole)."""
+        """One ``put_object``, or a multipart upload above :data:`MULTIPART_THRESHOLD`.
+
+        Either way S3 makes it atomic: readers see the old or new object whole.
+        """
         name = self._key_prefix + validate_key(key)
-        body = value if isinstance(value, bytes) else bytes(value)
+        view = memoryview(value).cast("B")
+        if view.nbytes > MULTIPART_THRESHOLD:
+            self._set_multipart(key, name, view)
+            return
+        body = value if isinstance(value, bytes) else view.tobytes()
         self._call(
             "set",
             key,
             lambda: self._client().put_object(Bucket=self._bucket, Key=name, Body=body),
             may_have_happened=True,
         )
+
+    def _set_multipart(self, key: str, name: str, view: memoryview) -> None:
+        """Upload ``view`` in pieces; abort the upload if any step finally fails.
+
+        Until ``complete_multipart_upload`` nothing is visible, so a failure
+        before it is a :class:`StoreUnavailable` (surely not written); only a
+        lost reply to the completion is :class:`Indeterminate`.
+        """
+        where = {"Bucket": self._bucket, "Key": name}
+        upload_id: str = self._call(
+            "create_multipart_upload",
+            key,
+            lambda: self._client().create_multipart_upload(**where)["UploadId"],
+        )
+        try:
+            pieces = []
+            for number, start in enumerate(range(0, view.nbytes, MULTIPART_PART_BYTES), 1):
+                body = view[start : start + MULTIPART_PART_BYTES].tobytes()
+
+                def upload(number: int = number, body: bytes = body) -> str:
+                    response = self._client().upload_part(
+                        **where, UploadId=upload_id, PartNumber=number, Body=body
+                    )
+                    etag: str = response["ETag"]
+                    return etag
+
+                etag = self._call("upload_part", key, upload)
+                pieces.append({"PartNumber": number, "ETag": etag})
+
+            def complete() -> None:
+                try:
+                    self._client().complete_multipart_upload(
+                        **where, UploadId=upload_id, MultipartUpload={"Parts": pieces}
+                    )
+                except ClientError as e:
+                    # A retry after a lost reply finds the upload gone because it completed.
+                    if e.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                        raise
+                    head = self._client().head_object(**where)
+                    if head["ContentLength"] != view.nbytes:
+                        raise
+
+            self._call("complete_multipart_upload", key, complete, may_have_happened=True)
+        except BaseException:
+            self._abort_upload(where, upload_id)
+            raise
+
+    def _abort_upload(self, where: dict[str, str], upload_id: str) -> None:
+        """Best effort: a failed abort leaves pieces for the bucket's lifecycle rule."""
+        try:
+            self._client().abort_multipart_upload(**where, UploadId=upload_id)
+        except (BotoCoreError, ClientError) as e:
+            log.debug("could not abort multipart upload of %s: %s", where["Key"], e)
 
     def delete(self, key: str) -> int | None:
         """``head_object`` for the size, then ``delete_object``.
@@ -313,6 +393,28 @@ class S3Blob(Blob):
             return size
 
         return self._call("delete", key, remove)
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """``delete_objects`` in batches of :data:`DELETE_BATCH`; keys S3 reports as failed
+        with a transient code are retried, by themselves, under the retry policy."""
+        names = [self._key_prefix + validate_key(k) for k in keys]
+        for start in range(0, len(names), DELETE_BATCH):
+            pending = names[start : start + DELETE_BATCH]
+
+            def remove() -> None:
+                nonlocal pending
+                response = self._client().delete_objects(
+                    Bucket=self._bucket,
+                    Delete={"Objects": [{"Key": n} for n in pending], "Quiet": True},
+                )
+                errors = response.get("Errors", [])
+                if errors:
+                    pending = [e["Key"] for e in errors]
+                    raise _DeleteErrors(errors)
+
+            first = pending[0][len(self._key_prefix) :]
+            self._call("delete_many", f"{first} and {len(pending) - 1} more", remove)
+        return len(names)
 
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Page through ``list_objects_v2``; objects whose names are not valid keys are skipped.
@@ -335,8 +437,22 @@ class S3Blob(Blob):
             args["ContinuationToken"] = token
 
 
+class _DeleteErrors(Exception):
+    """Some keys of a ``delete_objects`` request were not deleted (S3 says which, and why)."""
+
+    def __init__(self, errors: list[dict[str, str]]) -> None:
+        first = errors[0]
+        super().__init__(
+            f"{len(errors)} key(s) not deleted, e.g. {first.get('Key')!r}: "
+            f"{first.get('Code')}: {first.get('Message', '')}"
+        )
+        self.codes = {e.get("Code", "") for e in errors}
+
+
 def _transient(e: Exception) -> bool:
     """Whether an S3 failure may go away by itself: no connection, no reply, a 5xx, throttling."""
+    if isinstance(e, _DeleteErrors):
+        return e.codes <= _TRANSIENT_DELETE_CODES
     if isinstance(e, ClientError):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = e.response.get("Error", {}).get("Code", "")

@@ -19,8 +19,13 @@ Contract:
 - ``scan(key, from_seqno, limit)``: rows with SeqNo >= ``from_seqno`` in order.
 - ``truncate(key, seqno)``: deletes rows with SeqNo < ``seqno``; refuses (raises
   InvalidUsage) to delete the head. Returns the number deleted.
+- ``drop(key, seqno)``: deletes every row of ``key``, head included, iff the
+  head is ``seqno``; returns the number deleted (0 when the head is another).
+  Only dropping a shard uses it, after fencing the shard with a last row
+  no process can build on (:mod:`pyspark_persist.state.drop`).
 
-Backends, by URI scheme, through :func:`open_consensus`: ``sqlite:///path``
+Backends, by URI scheme, through :func:`open_consensus` (the table is in
+:mod:`pyspark_persist.state.registry`): ``sqlite:///path``
 (the embedded default), ``postgresql://...`` (psycopg 3 through SQLAlchemy,
 one round trip per compare-and-set) and ``mem://name``.
 """
@@ -30,7 +35,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..errors import InvalidUri
+from ..registry import open_consensus as open_consensus
 from ..tracing import CONSENSUS_TRACED, trace_store_class
 
 SeqNo = int
@@ -93,30 +98,12 @@ class Consensus(ABC):
         """Delete rows with SeqNo < ``seqno`` (never the head); return how many were deleted."""
 
     @abstractmethod
+    def drop(self, key: str, seqno: SeqNo) -> int:
+        """Delete every row of ``key`` iff its head is ``seqno``; return how many were deleted."""
+
+    @abstractmethod
     def list_keys(self) -> list[str]:
         """Return every key that has at least one row."""
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the Consensus must not be used afterwards."""
-
-
-def open_consensus(uri: str) -> Consensus:
-    """Open the Consensus named by ``uri`` (``sqlite://``, ``postgresql://`` or ``mem://``)."""
-    scheme, sep, _ = uri.partition("://")
-    if not sep:
-        raise InvalidUri(
-            f"consensus URI {uri!r} has no scheme: use sqlite:///abs/path.db, "
-            "postgresql://user@host:port/db or mem://name"
-        )
-    base = scheme.split("+", 1)[0]
-    if base in ("sqlite", "postgresql", "postgres"):
-        from .sql import SqlConsensus
-
-        return SqlConsensus.from_uri(uri)
-    if base == "mem":
-        from .mem import MemConsensus
-
-        return MemConsensus.from_uri(uri)
-    raise InvalidUri(
-        f"unknown consensus scheme {scheme!r} in {uri!r}: use sqlite://, postgresql:// or mem://"
-    )

@@ -24,6 +24,7 @@ import pytest
 from pyspark_persist import pubsub
 from pyspark_persist.pubsub.server import PubSubServer, is_loopback
 from pyspark_persist.state.cache import SharedState
+from pyspark_persist.state.errors import InvalidUsage
 
 TOKEN = "t0ken-" + uuid.uuid4().hex
 
@@ -37,8 +38,10 @@ def test_pubsub_binds_loopback_unless_allowed() -> None:
         assert server.host == "127.0.0.1"
     finally:
         server.stop()
-    with pytest.raises(ValueError, match="allow_remote"):
+    with pytest.raises(InvalidUsage, match="allow_remote"):
         PubSubServer("0.0.0.0", 0)
+    with pytest.raises(InvalidUsage, match="certificate and its key"):
+        PubSubServer(port=0, tls_cert=b"cert")
     server = PubSubServer("0.0.0.0", 0, allow_remote=True).start()
     server.stop()
     assert is_loopback("localhost") and is_loopback("::1") and is_loopback("127.0.0.2")

@@ -73,6 +73,23 @@ def test_delete_returns_size_then_none(blob: Blob) -> None:
     assert listed(blob) == {}
 
 
+def test_delete_many_deletes_present_and_ignores_absent_keys(blob: Blob) -> None:
+    for i in range(5):
+        blob.set(f"s/part/{i}", b"x" * (i + 1))
+    assert blob.delete_many(["s/part/0", "s/part/2", "s/part/4", "s/part/missing"]) == 4
+    assert listed(blob) == {"s/part/1": 2, "s/part/3": 4}
+    assert blob.delete_many([]) == 0
+    assert blob.delete_many(iter(["s/part/1", "s/part/3"])) == 2
+    assert listed(blob) == {}
+
+
+def test_delete_many_validates_every_key_before_deleting(blob: Blob) -> None:
+    blob.set("s/a", b"1")
+    with pytest.raises(InvalidUsage):
+        blob.delete_many(["s/a", "../escape"])
+    assert listed(blob) == {"s/a": 1}
+
+
 def test_list_keys_with_and_without_prefix(blob: Blob) -> None:
     keys = {
         "shard-a/part-1": b"x" * 10,

@@ -42,7 +42,7 @@ def test_bench_core_quick_json(tmp_path: Path) -> None:
             "--part-mib",
             "1",
             "--workdir",
-            str(tmp_path),
+            str(tmp_path / "made" / "for-it"),  # missing: the benchmark creates it
         ],
         capture_output=True,
         text=True,

@@ -358,6 +358,8 @@ class Locations:
         self._postgres_checked = False
 
     def __enter__(self) -> Locations:
+        if self._config.workdir is not None:  # --workdir D: create D, as a user expects
+            os.makedirs(self._config.workdir, exist_ok=True)
         self._tmp = tempfile.mkdtemp(prefix="persist-bench-", dir=self._config.workdir)
         return self
 

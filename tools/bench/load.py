@@ -244,19 +244,28 @@ def run(
     }
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``persist bench load`` to ``parser``."""
+    parser.add_argument("--writers", type=int, default=16, help="concurrent writers")
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long to write")
+    parser.add_argument("--consensus", default=POSTGRES_URL, help="Consensus URI")
+    parser.add_argument("--blob", default=None, help="default: a temporary file:// directory")
+    parser.add_argument("--mode", choices=("threads", "processes"), default="threads")
+    parser.add_argument("--rows-per-write", type=int, default=10)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line; exit 1 if some acknowledged write is missing or duplicated."""
     parser = argparse.ArgumentParser(
         prog="python -m pyspark_persist.tools.bench.load", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--writers", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--consensus", default=POSTGRES_URL)
-    parser.add_argument("--blob", default=None, help="default: a temporary file:// directory")
-    parser.add_argument("--mode", choices=("threads", "processes"), default="threads")
-    parser.add_argument("--rows-per-write", type=int, default=10)
-    parser.add_argument("--json", action="store_true")
-    ns = parser.parse_args(argv)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run with parsed flags; exit status 1 if some acknowledged write is missing or doubled."""
     res = run(
         ns.writers,
         ns.seconds,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -222,6 +223,8 @@ def _canonical(table: pa.Table) -> list[tuple[Any, ...]]:
 
 def run(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> Report:
     """Run both sides in fresh directories (removed afterwards) and compare them."""
+    if opts.workdir is not None:  # --workdir D: create D, as a user expects
+        os.makedirs(opts.workdir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="persist-bench-maint-", dir=opts.workdir)
     try:
         on, snap_on = run_side(f"{root}/on", True, opts, progress)

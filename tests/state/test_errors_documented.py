@@ -1,0 +1,38 @@
+"""Every public error class is in the taxonomy and named in the README's Errors section."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+from pyspark_persist.state import errors
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def public_errors() -> list[type[Exception]]:
+    return [
+        cls
+        for name, cls in vars(errors).items()
+        if inspect.isclass(cls) and issubclass(cls, Exception) and not name.startswith("_")
+    ]
+
+
+def test_every_error_is_a_persist_error_named_in_the_readme() -> None:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("### Errors") : text.index("### Faults")]
+    for cls in public_errors():
+        assert issubclass(cls, errors.PersistError), cls
+        assert f"`{cls.__name__}`" in section, f"{cls.__name__} is not in the README's Errors"
+
+
+def test_the_taxonomy_says_what_happened() -> None:
+    """Every error but data loss or damage says whether the operation could have happened."""
+    kinds = (errors.Determinate, errors.Indeterminate, errors.InvalidUsage)
+    neither = {errors.PersistError, errors.PartNotFound, errors.CorruptData}
+    for cls in public_errors():
+        if cls in neither or issubclass(cls, errors.CorruptData):
+            continue
+        assert issubclass(cls, kinds), cls
+    assert issubclass(errors.DataLoss, errors.InvalidFrontier)
+    assert not hasattr(errors, "FencedOut")  # never raised: a fenced critical reader gets a value
