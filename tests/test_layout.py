@@ -4,14 +4,17 @@ Each layer may import only the layers to its left: ``state`` imports no other
 part of pyspark_persist and never Spark; ``pubsub`` imports ``state`` only;
 the connector (the package root, ``pyspark_persist``) never imports ``tools``.
 Checked by importing every module of a layer in a fresh interpreter and
-looking at what got loaded.
+looking at what got loaded. And no module-level import cycles, read from the source.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +74,136 @@ def test_layer_imports_only_the_layers_below(root: str) -> None:
     loaded = _loaded(root)
     bad = sorted(m for m in loaded if _layer(m) not in ALLOWED[root] and m != "pyspark_persist")
     assert bad == [], f"{root} pulls in {bad}"
+
+
+# The folders of the source tree and the import names they install as (setup.cfg's package_dir).
+FOLDERS = {
+    "state": "pyspark_persist.state",
+    "pubsub": "pyspark_persist.pubsub",
+    "tools": "pyspark_persist.tools",
+    "connector": "pyspark_persist",
+}
+
+
+def _modules(top: Path) -> dict[str, Path]:
+    """Every module of the tree by import name."""
+    modules: dict[str, Path] = {}
+    for folder, package in FOLDERS.items():
+        for path in (top / folder).rglob("*.py"):
+            parts = list(path.relative_to(top / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _load_time_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is loaded: module level, including under ``if``/``try``,
+    but not ``if TYPE_CHECKING:`` blocks nor imports deferred into functions."""
+
+    def walk(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+        for stmt in body:
+            if isinstance(stmt, ast.Import | ast.ImportFrom):
+                yield stmt
+            elif isinstance(stmt, ast.If):
+                test = stmt.test
+                name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", "")
+                if name != "TYPE_CHECKING":
+                    yield from walk(stmt.body)
+                yield from walk(stmt.orelse)
+            elif isinstance(stmt, ast.Try):
+                yield from walk(stmt.body)
+                for handler in stmt.handlers:
+                    yield from walk(handler.body)
+                yield from walk(stmt.orelse)
+                yield from walk(stmt.finalbody)
+
+    yield from walk(tree.body)
+
+
+def import_graph(top: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the tree it imports at load time.
+
+    A module's own ancestor packages are not edges (Python loads them first whatever the module
+    says), so ``from ..errors import X`` is an edge to ``state.errors`` alone."""
+    modules = _modules(top)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _load_time_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative: up (level - 1) packages from this module's package
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            for target in targets:
+                pieces = target.split(".")
+                for i in range(1, len(pieces) + 1):
+                    imported = ".".join(pieces[:i])
+                    if (
+                        imported in modules
+                        and imported != name
+                        and not name.startswith(imported + ".")
+                    ):
+                        graph[name].add(imported)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """No two modules import each other, directly or round a longer loop, when they load: each
+    module can be read after the ones it imports."""
+    assert cycles(import_graph(Path(__file__).resolve().parents[1])) == []
+
+
+def test_cycle_check_sees_a_cycle(tmp_path: Path) -> None:
+    """The check above can fail: a planted loop through a relative and an absolute import is found,
+    while a ``TYPE_CHECKING`` import and one deferred into a function are not edges."""
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "state" / "a.py").write_text("from .b import B\nA = 1\n")
+    (tmp_path / "state" / "b.py").write_text("import pyspark_persist.state.c\nB = 1\n")
+    (tmp_path / "state" / "c.py").write_text("from pyspark_persist.state import a\n")
+    (tmp_path / "state" / "d.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .e import E\n"
+    )
+    (tmp_path / "state" / "e.py").write_text("def f() -> None:\n    from .d import D\n")
+    found = cycles(import_graph(tmp_path))
+    assert found == [
+        ["pyspark_persist.state.a", "pyspark_persist.state.b", "pyspark_persist.state.c"]
+    ]
