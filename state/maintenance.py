@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +46,8 @@ from . import commands
 from .config import PersistConfig
 from .consensus import VersionedData
 from .diff import decode
-from .errors import PersistError
-from .machine import Machine
+from .errors import PartNotFound, PersistError
+from .machine import Machine, RunInfo
 from .parts import (
     MAX_TIME,
     TIME,
@@ -58,7 +58,7 @@ from .parts import (
     part_key_created_ms,
     with_times,
 )
-from .state import EMPTY_STATE, Batch, ShardState
+from .state import EMPTY_STATE, Batch, PartRef, ShardState
 from .tracing import traced
 from .versions import rollup_key, write_rollup
 
@@ -166,7 +166,16 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
         for p in parts
     ]
     schema = decode_schema(state.schema)
-    tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
+    try:
+        tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
+    except PartNotFound:
+        # Compaction reads without a SeqNo lease: if another compaction replaced these
+        # batches and GC collected their parts meanwhile, this merge has lost its race.
+        # Parts missing from batches still in state are real loss: that is raised.
+        current = machine.fetch_latest()
+        if all(current.batches.get(b.key) == b for b in batches):
+            raise
+        return CompactionReport(len(batches), rows_in, rows_in, True, False)
     table = pa.concat_tables(tables) if tables else None
     # Compaction output always goes to Blob: it is what moves inline writes out of state.
     builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config, allow_inline=False)
@@ -179,10 +188,61 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
         builder.add(table)
     staged = builder.finish()
     merged = Batch(lower, upper, since, staged.parts)
-    ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged))
+    info = RunInfo()
+    ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged), info=info)
     if not ok:
-        delete_staged(machine.blob, staged.parts)
+        delete_staged(machine.blob, never_committed(machine, staged.parts, info))
     return CompactionReport(len(batches), rows_in, rows_out, True, ok)
+
+
+def never_committed(machine: Machine, parts: Sequence[PartRef], info: RunInfo) -> list[PartRef]:
+    """The keyed ``parts`` a refused command may delete: those no committed state references.
+
+    Without a lost reply the command surely committed nothing, so all of
+    them. After one, the attempt may have landed and a later state (another
+    compaction's merge, a reader's leased SeqNo) may reference its parts, so
+    only parts that no state kept in Consensus references, read now, and only
+    once the head is past every unknown attempt (an attempt still in flight
+    could land later). Whatever this cannot prove stays for GC: a landed
+    attempt's parts are collected like any replaced batch's, an unlanded
+    one's by the orphan sweep.
+    """
+    keyed = [p for p in parts if p.key is not None]
+    if not info.uncertain or not keyed:
+        return keyed
+    return unreferenced(machine, keyed, after_seqno=max(info.indeterminate_seqnos))
+
+
+def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 0) -> list[PartRef]:
+    """The keyed ``parts`` that no state kept in Consensus references (read now).
+
+    Empty when that cannot be shown: the history is unreadable, or the head
+    is still before ``after_seqno`` (a commit attempted there may yet land).
+    States older than the oldest row are unreadable to everyone, so a part
+    only they referenced is garbage as well.
+    """
+    keyed = [p for p in parts if p.key is not None]
+    try:
+        history = _read_history(machine)
+    except PersistError as e:
+        log.info("shard %s: kept staged parts after an unknown outcome: %s", machine.shard_id, e)
+        return []
+    if history is None:
+        return []
+    start, rows, _ = history
+    head = rows[-1].seqno if rows else start.seqno
+    if head < after_seqno:
+        return []
+    referenced = _referenced_keys(start)
+    state = start
+    for row in rows:
+        state = state.apply(decode(row.data, where=f"consensus row {state.shard_id!r}"))
+        referenced |= _referenced_keys(state)
+    return [p for p in keyed if p.key not in referenced]
+
+
+def _referenced_keys(state: ShardState) -> set[str]:
+    return {p.key for b in state.batches.values() for p in b.parts if p.key is not None}
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from .blob import Blob
 from .commands import AlreadyCommitted, AppendResult, Committed
 from .config import PersistConfig
 from .errors import InvalidFrontier, InvalidUpdates, InvalidUsage
-from .machine import Machine
+from .machine import Machine, RunInfo
 from .parts import (
     MAX_TIME,
     conform_updates,
@@ -374,6 +374,7 @@ class WriteHandle:
                     )
                 parts.append(part)
         tok = self._next_token if token is None else token
+        info = RunInfo()
         result = self._machine.run(
             lambda s: commands.compare_and_append(
                 s,
@@ -384,12 +385,15 @@ class WriteHandle:
                 token=tok,
                 now_ms=self._machine.clock_ms(),
                 replace=replace,
-            )
+            ),
+            info=info,
         )
         if isinstance(result, Committed | AlreadyCommitted):
             self._next_token = max(self._next_token, tok + 1)
         elif delete_on_mismatch:
-            delete_staged(self._machine.blob, parts)
+            from .maintenance import never_committed
+
+            delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
         return result
 
     @traced("WriteHandle.append")
