@@ -20,7 +20,11 @@ the parts of batches removed by diffs before it. Then it makes sure a rollup
 sits at or just below that SeqNo, truncates Consensus below the rollup, and
 forgets older rollups. An occasional sweep deletes parts that were staged
 but never committed (a crash between staging and commit) once they are
-older than ``staged_part_grace_s``; part keys carry their creation time.
+older than ``staged_part_grace_s``, by the later of the Blob store's own
+timestamp and the time in the part key (a writer's clock that is behind
+cannot make a fresh part look old). Commits refuse parts older than half
+the grace (:func:`~pyspark_persist.state.write.check_staged`), so the sweep
+never takes a part a commit is about to reference.
 
 Both run in the background after commits (``PersistConfig.maintenance``)
 and on demand (:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
@@ -317,8 +321,10 @@ def _orphans(
     grace_ms = int(machine.config.staged_part_grace_s * 1000)
     doomed = []
     for meta in list(machine.blob.list_keys(f"{shard}/part/")):
-        created = part_key_created_ms(meta.key)
-        if meta.key not in live and created is not None and now_ms - created >= grace_ms:
+        # The later of the store's timestamp and the writer's (in the key): a writer
+        # whose clock is behind cannot make a fresh part look old, nor can the store.
+        stamps = [s for s in (meta.modified_ms, part_key_created_ms(meta.key)) if s is not None]
+        if meta.key not in live and stamps and now_ms - max(stamps) >= grace_ms:
             doomed.append(meta.key)
     for meta in list(machine.blob.list_keys(f"{shard}/rollup/")):
         seqno = int(meta.key.rsplit("/", 1)[1])

@@ -9,8 +9,10 @@ that were acknowledged.
 from __future__ import annotations
 
 import collections
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace as dc_replace
 
 import pyarrow as pa
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
+from pyspark_persist.state.commands import Committed
 from pyspark_persist.state.consensus import (
     CaSResult,
     Consensus,
@@ -25,10 +28,11 @@ from pyspark_persist.state.consensus import (
     VersionedData,
     open_consensus,
 )
-from pyspark_persist.state.errors import Indeterminate
+from pyspark_persist.state.errors import Indeterminate, StagedPartsExpired
 from pyspark_persist.state.maintenance import compact, compaction_request
 from pyspark_persist.state.parts import DIFF
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
+from pyspark_persist.state.write import StagedBatch
 
 SCHEMA = pa.schema([("k", pa.int64())])
 
@@ -160,3 +164,102 @@ def test_stale_compaction_loses_race_instead_of_failing(location: tuple[str, str
     finally:
         a.close()
         b.close()
+
+
+HOUR_MS = 3_600_000
+SWEEP = PersistConfig(inline_write_max_bytes=1, maintenance=False)
+
+
+def test_commit_refuses_parts_the_sweep_took(location: tuple[str, str]) -> None:
+    """Issue 13 item 2: a slow writer's parts swept before its commit: refused, nothing lands.
+
+    A second client whose clock is past the grace sweeps the staged parts
+    (they are old and unreferenced, as far as it can tell); the commit then
+    fails with StagedPartsExpired and state is unchanged. The old code
+    committed references to the deleted parts: every later read failed.
+    """
+    a = client_on(location, SWEEP)
+    later = [time.time_ns() // 1_000_000 + 2 * HOUR_MS]
+    sweeper = PersistClient(
+        open_blob(location[0]),
+        open_consensus(location[1]),
+        config=SWEEP,
+        cache=StateCache(),
+        clock_ms=lambda: later[0],
+    )
+    try:
+        shard = a.open_shard("slow", SCHEMA)
+        writer = shard.writer()
+        writer.compare_and_append(updates([1], 0), 0, 1)
+        builder = writer.builder()
+        builder.add(updates([2, 3], 1))
+        staged = builder.finish()
+        assert all(p.key is not None for p in staged.parts)
+        assert sweeper.open_shard("slow", SCHEMA).gc().orphans_deleted == len(staged.parts)
+        before = shard.machine.fetch_latest()
+        with pytest.raises(StagedPartsExpired, match="stage the updates again"):
+            writer.compare_and_append_batches([staged], 1, 2)
+        after = shard.machine.fetch_latest()
+        assert (after.seqno, after.upper) == (before.seqno, before.upper)
+        with shard.reader() as reader:
+            assert counts(reader.snapshot_table(0)) == collections.Counter({1: 1})
+    finally:
+        a.close()
+        sweeper.close()
+
+
+def test_commit_refuses_parts_past_half_the_grace(location: tuple[str, str]) -> None:
+    """A writer whose parts are older than half the grace (by the store's time) may not commit:
+    the sweep could take them between the check and the compare-and-set."""
+    clock = [time.time_ns() // 1_000_000]
+    a = PersistClient(
+        open_blob(location[0]),
+        open_consensus(location[1]),
+        config=SWEEP,
+        cache=StateCache(),
+        clock_ms=lambda: clock[0],
+    )
+    try:
+        shard = a.open_shard("half", SCHEMA)
+        writer = shard.writer()
+        builder = writer.builder()
+        builder.add(updates([2], 0))
+        staged = builder.finish()
+        clock[0] += HOUR_MS // 2 + 1000
+        with pytest.raises(StagedPartsExpired, match="over half"):
+            writer.compare_and_append_batches([staged], 0, 1)
+        assert shard.machine.fetch_latest().upper == 0
+        clock[0] -= HOUR_MS // 2  # within half the grace: the same parts commit
+        assert isinstance(writer.compare_and_append_batches([staged], 0, 1), Committed)
+    finally:
+        a.close()
+
+
+def test_sweep_measures_age_by_the_store_not_the_writer_clock(location: tuple[str, str]) -> None:
+    """Issue 13 item 2: a part staged by a writer whose clock is two hours behind is fresh.
+
+    Its key carries the writer's (wrong) time; the old sweep read only that
+    and deleted the part at once, so the commit after it referenced a part
+    that was gone.
+    """
+    a = client_on(location, SWEEP)
+    try:
+        shard = a.open_shard("skew", SCHEMA)
+        writer = shard.writer()
+        builder = writer.builder()
+        builder.add(updates([5, 6], 0))
+        (part,) = builder.finish().parts
+        assert part.key is not None
+        skewed_ms = time.time_ns() // 1_000_000 - 2 * HOUR_MS
+        key = f"skew/part/{skewed_ms:013d}-{uuid.uuid4().hex}.parquet"
+        data = a.blob.get(part.key)
+        assert data is not None
+        a.blob.set(key, data)  # what a writer with the skewed clock uploads
+        a.blob.delete(part.key)
+        staged = StagedBatch("skew", (dc_replace(part, key=key),), has_time=True)
+        assert shard.gc().orphans_deleted == 0
+        assert isinstance(writer.compare_and_append_batches([staged], 0, 1), Committed)
+        with shard.reader() as reader:
+            assert counts(reader.snapshot_table(0)) == collections.Counter({5: 1, 6: 1})
+    finally:
+        a.close()
