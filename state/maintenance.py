@@ -474,11 +474,13 @@ else:  # pragma: no cover - every CPython since 3.9 has it
 
 
 class Maintenance:
-    """A client's background worker: compaction and GC after commits, reader heartbeats.
+    """A client's background workers: compaction and GC after commits, reader heartbeats.
 
-    One daemon thread per client; requests for the same shard and kind are
-    deduplicated while queued. Failures are logged, never raised into writers:
-    maintenance that does not happen is retried by the next commit.
+    One daemon thread per client runs maintenance; requests for the same
+    shard and kind are deduplicated while queued. Failures are logged, never
+    raised into writers: maintenance that does not happen is retried by the
+    next commit. Reader heartbeats have a thread of their own, so a long
+    compaction or GC never delays them past ``reader_lease_s``.
     """
 
     def __init__(self, config: PersistConfig) -> None:
@@ -491,6 +493,7 @@ class Maintenance:
         self._lock = threading.Lock()
         self._readers: weakref.WeakSet[ReadHandle] = weakref.WeakSet()
         self._thread: threading.Thread | None = None
+        self._heartbeats: threading.Thread | None = None
         self._busy = 0
         self._idle = threading.Condition(self._lock)
         self._sweeps: dict[str, int] = {}
@@ -513,6 +516,8 @@ class Maintenance:
         cap = BACKPRESSURE * self._config.compaction_fan_in * MAX_TIERS
         if not self._config.maintenance or len(machine.state().trace) <= cap:
             return
+        if threading.current_thread() is self._heartbeats:
+            return  # a heartbeat must never wait for a compaction
         if not self._inline.acquire(blocking=False):
             return
         try:
@@ -529,7 +534,13 @@ class Maintenance:
         """Heartbeat ``reader`` from the background thread until it is closed or collected."""
         with self._lock:
             self._readers.add(reader)
-        self._ensure_thread()
+            if self._stop.is_set():
+                return
+            if self._heartbeats is None or not self._heartbeats.is_alive():
+                self._heartbeats = threading.Thread(
+                    target=self._heartbeat_loop, name="persist-heartbeat", daemon=True
+                )
+                self._heartbeats.start()
 
     def compact_now(self, machine: Machine, max_rounds: int = 1000) -> list[CompactionReport]:
         """Run compaction until the policy asks for nothing more (or ``max_rounds``)."""
@@ -579,20 +590,13 @@ class Maintenance:
         """Stop the background thread after the task at hand; queued work is dropped."""
         self._stop.set()
         self._queue.put(_STOP)
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+        for thread in (self._thread, self._heartbeats):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout_s)
 
     def _loop(self) -> None:
-        next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
         while not self._stop.is_set():
-            timeout = max(0.0, next_heartbeat - time.monotonic())
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                self._heartbeat_all()
-                next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
-                continue
+            item = self._queue.get()
             if item is _STOP:
                 break
             kind, machine = item
@@ -605,9 +609,11 @@ class Maintenance:
                 with self._idle:
                     self._busy -= 1
                     self._idle.notify_all()
-            if time.monotonic() >= next_heartbeat:
-                self._heartbeat_all()
-                next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeat every tracked reader each ``heartbeat_interval_s`` until stopped."""
+        while not self._stop.wait(self._config.heartbeat_interval_s):
+            self._heartbeat_all()
 
     def _run(self, kind: str, machine: Machine) -> None:
         work: Callable[[], object]
