@@ -303,7 +303,7 @@ class LeaseHolder:
         return list(snap.parts)
 
     def _listen_parts(self, state: ShardState, lower: int, upper: int) -> list[LeasedPart]:
-        self._reader.lease(state.seqno)
+        state = self._reader.lease_state(state)  # in effect before any part is handed out
         self._remember(upper, state.seqno)
         uri = self._client.blob.uri
         return [

@@ -41,6 +41,7 @@ from pyspark_persist.source import blob_for, client_for
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.maintenance import unreferenced
 from pyspark_persist.state.parts import DIFF, DIFF_TYPE, decode_schema, encode_schema
 from pyspark_persist.state.write import BatchBuilder, StagedBatch, delete_staged
 
@@ -194,12 +195,12 @@ def abort_staged(opts: PersistOptions, messages: list[WriterCommitMessage | None
     """Delete every part the tasks staged: the micro-batch was not committed."""
 
     blob = blob_for(opts.blob)
-    state = client_for(opts).open_shard(opts.shard, create=False).state()
-    referenced = {p.key for b in state.batches.values() for p in b.parts}
+    machine = client_for(opts).open_shard(opts.shard, create=False).machine
     for m in _staged(messages):
-        # A commit whose reply was lost may have landed: never delete what state references.
+        # A commit whose reply was lost may have landed, and a later compaction may have
+        # replaced it: delete only what no state kept in Consensus references.
         parts = StagedBatch.from_json(json.loads(m.staged)).parts
-        delete_staged(blob, [p for p in parts if p.key not in referenced])
+        delete_staged(blob, unreferenced(machine, parts))
 
 
 def _report(metrics: SinkBatchMetrics, checkpoint: str | None) -> None:

@@ -57,6 +57,15 @@ class StoreUnavailable(Determinate):
         self.transient = transient
 
 
+class StagedPartsExpired(Determinate):
+    """A commit named staged parts that are gone from Blob, or old enough that GC's orphan
+    sweep may delete them any moment; nothing was committed.
+
+    Parts must be committed within ``staged_part_grace_s`` (half of it, as the
+    writer measures) of their upload: stage them again and commit.
+    """
+
+
 class ShardNotFound(InvalidUsage):
     """The named shard does not exist in this Consensus."""
 

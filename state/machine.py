@@ -95,6 +95,25 @@ class Metrics:
             return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
+@dataclass
+class RunInfo:
+    """What one :meth:`Machine.run` saw besides its result: the attempts whose outcome is unknown.
+
+    A caller that cleans up after a refused command (compaction deleting its
+    merged parts, a writer deleting its staged parts) must not when an attempt
+    had a lost reply: that attempt may have committed, and a later state may
+    still reference what it wrote (see :func:`~pyspark_persist.state.maintenance.never_committed`).
+    """
+
+    indeterminate_seqnos: list[int] = field(default_factory=list)
+    """The SeqNos of compare-and-set attempts whose reply was lost."""
+
+    @property
+    def uncertain(self) -> bool:
+        """True when some attempt may have committed although the result says otherwise."""
+        return bool(self.indeterminate_seqnos)
+
+
 class Machine:
     """Applies commands to one shard of one client. Thread-safe; share it freely."""
 
@@ -159,23 +178,30 @@ class Machine:
         )
 
     def run(
-        self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], *, idempotent: bool = True
+        self,
+        cmd: Callable[[ShardState], Apply[R] | Refuse[R]],
+        *,
+        idempotent: bool = True,
+        info: RunInfo | None = None,
     ) -> R:
         """Apply ``cmd`` until it is refused or its diff is committed; return its result.
 
         A non-idempotent command whose compare-and-set outcome is unknown
         re-raises :class:`Indeterminate` rather than risk applying twice.
+        ``info``, when given, collects the attempts whose outcome was unknown.
         Threads of one process take turns (a lock per machine): racing each
         other through Consensus would only turn into mismatches and refetches,
         while other processes still race through compare-and-set as usual.
         """
         with self._cas_lock:
-            result = self._run(cmd, idempotent)
+            result = self._run(cmd, idempotent, info if info is not None else RunInfo())
         if self.after_run is not None:
             self.after_run(self)
         return result
 
-    def _run(self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool) -> R:
+    def _run(
+        self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool, info: RunInfo
+    ) -> R:
         with retry.deadline_in(self.config.retry_timeout_s) as deadline:
             backoff = retry.Backoff(_CONTENTION)
             state = self.state()
@@ -190,6 +216,8 @@ class Machine:
                 try:
                     res = self.consensus.compare_and_set(self.shard_id, state.seqno, row)
                 except (Indeterminate, Determinate) as e:
+                    if isinstance(e, Indeterminate):
+                        info.indeterminate_seqnos.append(row.seqno)
                     if isinstance(e, Indeterminate) and not idempotent:
                         raise
                     if isinstance(e, Determinate) and not retry.is_transient(e):

@@ -20,7 +20,11 @@ the parts of batches removed by diffs before it. Then it makes sure a rollup
 sits at or just below that SeqNo, truncates Consensus below the rollup, and
 forgets older rollups. An occasional sweep deletes parts that were staged
 but never committed (a crash between staging and commit) once they are
-older than ``staged_part_grace_s``; part keys carry their creation time.
+older than ``staged_part_grace_s``, by the later of the Blob store's own
+timestamp and the time in the part key (a writer's clock that is behind
+cannot make a fresh part look old). Commits refuse parts older than half
+the grace (:func:`~pyspark_persist.state.write.check_staged`), so the sweep
+never takes a part a commit is about to reference.
 
 Both run in the background after commits (``PersistConfig.maintenance``)
 and on demand (:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
@@ -35,7 +39,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +50,8 @@ from . import commands
 from .config import PersistConfig
 from .consensus import VersionedData
 from .diff import decode
-from .errors import PersistError
-from .machine import Machine
+from .errors import PartNotFound, PersistError
+from .machine import Machine, RunInfo
 from .parts import (
     MAX_TIME,
     TIME,
@@ -58,7 +62,7 @@ from .parts import (
     part_key_created_ms,
     with_times,
 )
-from .state import EMPTY_STATE, Batch, ShardState
+from .state import EMPTY_STATE, Batch, PartRef, ShardState
 from .tracing import traced
 from .versions import rollup_key, write_rollup
 
@@ -166,7 +170,16 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
         for p in parts
     ]
     schema = decode_schema(state.schema)
-    tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
+    try:
+        tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
+    except PartNotFound:
+        # Compaction reads without a SeqNo lease: if another compaction replaced these
+        # batches and GC collected their parts meanwhile, this merge has lost its race.
+        # Parts missing from batches still in state are real loss: that is raised.
+        current = machine.fetch_latest()
+        if all(current.batches.get(b.key) == b for b in batches):
+            raise
+        return CompactionReport(len(batches), rows_in, rows_in, True, False)
     table = pa.concat_tables(tables) if tables else None
     # Compaction output always goes to Blob: it is what moves inline writes out of state.
     builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config, allow_inline=False)
@@ -179,10 +192,61 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
         builder.add(table)
     staged = builder.finish()
     merged = Batch(lower, upper, since, staged.parts)
-    ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged))
+    info = RunInfo()
+    ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged), info=info)
     if not ok:
-        delete_staged(machine.blob, staged.parts)
+        delete_staged(machine.blob, never_committed(machine, staged.parts, info))
     return CompactionReport(len(batches), rows_in, rows_out, True, ok)
+
+
+def never_committed(machine: Machine, parts: Sequence[PartRef], info: RunInfo) -> list[PartRef]:
+    """The keyed ``parts`` a refused command may delete: those no committed state references.
+
+    Without a lost reply the command surely committed nothing, so all of
+    them. After one, the attempt may have landed and a later state (another
+    compaction's merge, a reader's leased SeqNo) may reference its parts, so
+    only parts that no state kept in Consensus references, read now, and only
+    once the head is past every unknown attempt (an attempt still in flight
+    could land later). Whatever this cannot prove stays for GC: a landed
+    attempt's parts are collected like any replaced batch's, an unlanded
+    one's by the orphan sweep.
+    """
+    keyed = [p for p in parts if p.key is not None]
+    if not info.uncertain or not keyed:
+        return keyed
+    return unreferenced(machine, keyed, after_seqno=max(info.indeterminate_seqnos))
+
+
+def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 0) -> list[PartRef]:
+    """The keyed ``parts`` that no state kept in Consensus references (read now).
+
+    Empty when that cannot be shown: the history is unreadable, or the head
+    is still before ``after_seqno`` (a commit attempted there may yet land).
+    States older than the oldest row are unreadable to everyone, so a part
+    only they referenced is garbage as well.
+    """
+    keyed = [p for p in parts if p.key is not None]
+    try:
+        history = _read_history(machine)
+    except PersistError as e:
+        log.info("shard %s: kept staged parts after an unknown outcome: %s", machine.shard_id, e)
+        return []
+    if history is None:
+        return []
+    start, rows, _ = history
+    head = rows[-1].seqno if rows else start.seqno
+    if head < after_seqno:
+        return []
+    referenced = _referenced_keys(start)
+    state = start
+    for row in rows:
+        state = state.apply(decode(row.data, where=f"consensus row {state.shard_id!r}"))
+        referenced |= _referenced_keys(state)
+    return [p for p in keyed if p.key not in referenced]
+
+
+def _referenced_keys(state: ShardState) -> set[str]:
+    return {p.key for b in state.batches.values() for p in b.parts if p.key is not None}
 
 
 @dataclass(frozen=True)
@@ -257,8 +321,10 @@ def _orphans(
     grace_ms = int(machine.config.staged_part_grace_s * 1000)
     doomed = []
     for meta in list(machine.blob.list_keys(f"{shard}/part/")):
-        created = part_key_created_ms(meta.key)
-        if meta.key not in live and created is not None and now_ms - created >= grace_ms:
+        # The later of the store's timestamp and the writer's (in the key): a writer
+        # whose clock is behind cannot make a fresh part look old, nor can the store.
+        stamps = [s for s in (meta.modified_ms, part_key_created_ms(meta.key)) if s is not None]
+        if meta.key not in live and stamps and now_ms - max(stamps) >= grace_ms:
             doomed.append(meta.key)
     for meta in list(machine.blob.list_keys(f"{shard}/rollup/")):
         seqno = int(meta.key.rsplit("/", 1)[1])
@@ -408,11 +474,13 @@ else:  # pragma: no cover - every CPython since 3.9 has it
 
 
 class Maintenance:
-    """A client's background worker: compaction and GC after commits, reader heartbeats.
+    """A client's background workers: compaction and GC after commits, reader heartbeats.
 
-    One daemon thread per client; requests for the same shard and kind are
-    deduplicated while queued. Failures are logged, never raised into writers:
-    maintenance that does not happen is retried by the next commit.
+    One daemon thread per client runs maintenance; requests for the same
+    shard and kind are deduplicated while queued. Failures are logged, never
+    raised into writers: maintenance that does not happen is retried by the
+    next commit. Reader heartbeats have a thread of their own, so a long
+    compaction or GC never delays them past ``reader_lease_s``.
     """
 
     def __init__(self, config: PersistConfig) -> None:
@@ -425,6 +493,7 @@ class Maintenance:
         self._lock = threading.Lock()
         self._readers: weakref.WeakSet[ReadHandle] = weakref.WeakSet()
         self._thread: threading.Thread | None = None
+        self._heartbeats: threading.Thread | None = None
         self._busy = 0
         self._idle = threading.Condition(self._lock)
         self._sweeps: dict[str, int] = {}
@@ -447,6 +516,8 @@ class Maintenance:
         cap = BACKPRESSURE * self._config.compaction_fan_in * MAX_TIERS
         if not self._config.maintenance or len(machine.state().trace) <= cap:
             return
+        if threading.current_thread() is self._heartbeats:
+            return  # a heartbeat must never wait for a compaction
         if not self._inline.acquire(blocking=False):
             return
         try:
@@ -463,7 +534,13 @@ class Maintenance:
         """Heartbeat ``reader`` from the background thread until it is closed or collected."""
         with self._lock:
             self._readers.add(reader)
-        self._ensure_thread()
+            if self._stop.is_set():
+                return
+            if self._heartbeats is None or not self._heartbeats.is_alive():
+                self._heartbeats = threading.Thread(
+                    target=self._heartbeat_loop, name="persist-heartbeat", daemon=True
+                )
+                self._heartbeats.start()
 
     def compact_now(self, machine: Machine, max_rounds: int = 1000) -> list[CompactionReport]:
         """Run compaction until the policy asks for nothing more (or ``max_rounds``)."""
@@ -513,20 +590,13 @@ class Maintenance:
         """Stop the background thread after the task at hand; queued work is dropped."""
         self._stop.set()
         self._queue.put(_STOP)
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+        for thread in (self._thread, self._heartbeats):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout_s)
 
     def _loop(self) -> None:
-        next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
         while not self._stop.is_set():
-            timeout = max(0.0, next_heartbeat - time.monotonic())
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                self._heartbeat_all()
-                next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
-                continue
+            item = self._queue.get()
             if item is _STOP:
                 break
             kind, machine = item
@@ -539,9 +609,11 @@ class Maintenance:
                 with self._idle:
                     self._busy -= 1
                     self._idle.notify_all()
-            if time.monotonic() >= next_heartbeat:
-                self._heartbeat_all()
-                next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeat every tracked reader each ``heartbeat_interval_s`` until stopped."""
+        while not self._stop.wait(self._config.heartbeat_interval_s):
+            self._heartbeat_all()
 
     def _run(self, kind: str, machine: Machine) -> None:
         work: Callable[[], object]

@@ -192,6 +192,9 @@ class ReadHandle:
         )
         self._since = registered.since
         self._registered = machine.state().seqno
+        self._floor = registered.seqno
+        """The highest SeqNo hold a heartbeat has proposed (landed or in flight): a lease
+        below it is not in effect, since GC may already go by that hold."""
         if maintenance is not None:
             maintenance.track_reader(self)
 
@@ -223,17 +226,36 @@ class ReadHandle:
         with self._lock:
             return sorted(self._leases)
 
-    def _lease_current(self, state: ShardState) -> None:
+    def lease_state(self, state: ShardState) -> ShardState:
+        """Lease a state whose parts are safe to hand out now: ``state``, or a newer one.
+
+        The lease is in effect on return: the SeqNo hold recorded in the
+        shard's state (or proposed by a heartbeat in flight) is at or below
+        the leased SeqNo, and no later heartbeat moves it past a held lease.
+        A ``state`` older than that hold may already have lost parts to GC,
+        so the newest state this process knows is leased instead (it is at
+        least as new as every hold, which are all taken from it); plan from
+        the state returned.
+        """
         with self._lock:
+            if state.seqno < self._floor:
+                state = self._machine.state()
             if self.reader_id not in state.leased_readers and state.seqno >= self._registered:
                 self._expired = True  # expired in state: nothing would protect these parts
             self._check_live()
             self._leases[state.seqno] += 1
+            return state
 
     def _hold(self) -> int:
-        """The SeqNo to record as this reader's hold: its oldest lease, else the cached state."""
+        """The SeqNo to record as this reader's hold: its oldest lease, else the cached state.
+
+        Taken under the lease lock together with the floor it raises, so a
+        lease taken afterwards is at or above it (see :meth:`lease_state`).
+        """
         with self._lock:
-            return min(self._leases) if self._leases else self._machine.state().seqno
+            hold = min(self._leases) if self._leases else self._machine.state().seqno
+            self._floor = max(self._floor, hold)
+            return hold
 
     def _check_live(self) -> None:
         if self._expired:
@@ -308,7 +330,12 @@ class ReadHandle:
         if as_of >= state.upper:
             state = self._machine.fetch_latest()
         _check_as_of(state, as_of)
-        self._lease_current(state)
+        state = self.lease_state(state)
+        try:
+            _check_as_of(state, as_of)
+        except InvalidFrontier:
+            self.release(state.seqno)
+            raise
         parts = snapshot_parts(state, as_of, self._machine.blob.uri)
         return Snapshot(self.shard_id, as_of, state.seqno, parts)
 
@@ -469,11 +496,14 @@ class Listen:
         return self._poll_delay
 
     def _queue_events(self, state: ShardState) -> None:
-        for batch in state.trace:
-            # One lease per queued event; next() hands each over as it returns it.
-            if batch.upper <= self._queued_upto:
-                continue
-            self._reader._lease_current(state)
+        if all(b.upper <= self._queued_upto for b in state.trace):
+            return
+        # One lease per queued event; next() hands each over as it returns it.
+        state = self._reader.lease_state(state)
+        batches = [b for b in state.trace if b.upper > self._queued_upto]
+        for _ in batches[1:]:
+            self._reader.lease(state.seqno)
+        for batch in batches:
             self._pending.append(self._event(state, batch))
             self._queued_upto = batch.upper
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -61,7 +61,7 @@ T = TypeVar("T")
 FAULT_KINDS: tuple[str, ...] = ("fail_before", "fail_after", "timeout", "slow")
 """The keys of :attr:`FaultInjector.injected`."""
 
-BLOB_OPS: frozenset[str] = frozenset({"get", "set", "delete", "list_keys"})
+BLOB_OPS: frozenset[str] = frozenset({"get", "set", "delete", "list_keys", "stat_many"})
 CONSENSUS_OPS: frozenset[str] = frozenset(
     {"head", "compare_and_set", "scan", "truncate", "list_keys"}
 )
@@ -210,6 +210,13 @@ class UnreliableBlob(_Unreliable, Blob):
     def delete(self, key: str) -> int | None:
         """The inner ``delete``, possibly failing first or losing its reply."""
         return self._injector.call("blob", "delete", key, lambda: self.inner.delete(key))
+
+    def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:
+        """The inner ``stat_many``, possibly failing first."""
+        checked = list(keys)
+        return self._injector.call(
+            "blob", "stat_many", f"{len(checked)} keys", lambda: self.inner.stat_many(checked)
+        )
 
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """The inner ``list_keys`` (the fault, if any, is raised at the call, not mid-iteration)."""

@@ -34,8 +34,8 @@ from . import commands
 from .blob import Blob
 from .commands import AlreadyCommitted, AppendResult, Committed
 from .config import PersistConfig
-from .errors import InvalidFrontier, InvalidUpdates, InvalidUsage
-from .machine import Machine
+from .errors import InvalidFrontier, InvalidUpdates, InvalidUsage, StagedPartsExpired
+from .machine import Machine, RunInfo
 from .parts import (
     MAX_TIME,
     conform_updates,
@@ -46,7 +46,7 @@ from .parts import (
     release_memory,
     time_bounds,
 )
-from .state import PartRef, Time
+from .state import PartRef, ShardState, Time
 from .tracing import traced
 
 
@@ -243,6 +243,37 @@ def delete_staged(blob: Blob, parts: Sequence[PartRef]) -> None:
             blob.delete(p.key)
 
 
+def check_staged(machine: Machine, parts: Sequence[PartRef]) -> None:
+    """Raise StagedPartsExpired unless every Blob part exists and is safe from the orphan sweep.
+
+    One batched metadata request (``Blob.stat_many``). The sweep deletes
+    unreferenced parts ``staged_part_grace_s`` after the store wrote them;
+    refusing parts older than half of that (by this process's clock against
+    the store's timestamp) leaves the other half for the compare-and-set to
+    land and for clock skew, so a commit never references a part the sweep
+    may delete meanwhile.
+    """
+    keys = [p.key for p in parts if p.key is not None]
+    if not keys:
+        return
+    found = machine.blob.stat_many(keys)
+    missing = [k for k in keys if k not in found]
+    limit_ms = machine.config.staged_part_grace_s * 500
+    now = machine.clock_ms()
+    stale = [
+        k for k, m in found.items() if m.modified_ms is not None and now - m.modified_ms >= limit_ms
+    ]
+    if missing or stale:
+        what = f"{len(missing)} missing" if missing else f"{len(stale)} staged over half"
+        example = (missing or stale)[0]
+        raise StagedPartsExpired(
+            f"cannot commit to shard {machine.shard_id!r}: {what} of the staged parts "
+            f"(e.g. {example!r}) in blob {machine.blob.uri} are gone or about to be swept "
+            f"(staged_part_grace_s={machine.config.staged_part_grace_s:g}); nothing was "
+            "committed: stage the updates again and commit within the grace period"
+        )
+
+
 class WriteHandle:
     """Appends to one shard as one writer identity, exactly once per idempotency token.
 
@@ -374,8 +405,12 @@ class WriteHandle:
                     )
                 parts.append(part)
         tok = self._next_token if token is None else token
-        result = self._machine.run(
-            lambda s: commands.compare_and_append(
+        info = RunInfo()
+        checked = False
+
+        def append(s: ShardState) -> commands.Outcome[AppendResult]:
+            nonlocal checked
+            outcome = commands.compare_and_append(
                 s,
                 parts=tuple(parts),
                 expected_upper=expected_upper,
@@ -385,11 +420,20 @@ class WriteHandle:
                 now_ms=self._machine.clock_ms(),
                 replace=replace,
             )
-        )
+            if isinstance(outcome, commands.Apply) and not checked:
+                # Only a commit that will reference the parts checks them: a retry
+                # answered AlreadyCommitted must not fail because GC moved on since.
+                check_staged(self._machine, parts)
+                checked = True
+            return outcome
+
+        result = self._machine.run(append, info=info)
         if isinstance(result, Committed | AlreadyCommitted):
             self._next_token = max(self._next_token, tok + 1)
         elif delete_on_mismatch:
-            delete_staged(self._machine.blob, parts)
+            from .maintenance import never_committed
+
+            delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
         return result
 
     @traced("WriteHandle.append")

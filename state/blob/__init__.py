@@ -9,7 +9,9 @@ it holds, and that state is deterministic), so the contract is small:
 - ``delete`` is idempotent and returns the size freed (``None`` when absent);
   ``delete_many`` deletes many keys, in batches where the store has a
   batched delete (S3's ``delete_objects``), one by one otherwise;
-- ``list_keys`` lists keys under a prefix with their sizes, for GC.
+- ``list_keys`` lists keys under a prefix with their sizes and the store's
+  own modification times, for GC; ``stat_many`` says which of some keys
+  exist (a commit checks its staged parts are still there).
 
 Backends are chosen by URI scheme with :func:`open_blob` (the table is in
 :mod:`pyspark_persist.state.registry`): ``file:///path`` (the embedded
@@ -52,6 +54,9 @@ class BlobMeta:
 
     key: str
     size_bytes: int
+    modified_ms: int | None = None
+    """When the store wrote the object, by the store's clock (not the writer's); None if the
+    store cannot tell. The orphan sweep measures a staged part's age from it."""
 
 
 class Blob(ABC):
@@ -93,6 +98,20 @@ class Blob(ABC):
         for key in checked:
             self.delete(key)
         return len(checked)
+
+    def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:
+        """The metadata of those ``keys`` that exist (absent keys are left out).
+
+        A commit calls it on the parts it is about to reference, so it must be
+        cheap: backends override it with a metadata-only request (this default
+        fetches each object).
+        """
+        out: dict[str, BlobMeta] = {}
+        for key in keys:
+            data = self.get(key)
+            if data is not None:
+                out[key] = BlobMeta(key, len(data))
+        return out
 
     @abstractmethod
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:

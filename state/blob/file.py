@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ..errors import InvalidUri, InvalidUsage, StoreUnavailable
 from . import Blob, BlobMeta, BlobValue, validate_key
@@ -103,6 +103,21 @@ class FileBlob(Blob):
             return None
         except OSError as e:
             raise StoreUnavailable(f"cannot read blob {path}: {e}") from e
+
+    def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:
+        """``stat`` each file: size and modification time, no data read."""
+        out: dict[str, BlobMeta] = {}
+        for key in keys:
+            path = self._path(key)
+            try:
+                st = os.stat(path)
+            except _ABSENT:
+                continue
+            except OSError as e:
+                raise StoreUnavailable(f"cannot stat blob {path}: {e}") from e
+            if stat.S_ISREG(st.st_mode):
+                out[key] = BlobMeta(key, st.st_size, st.st_mtime_ns // 1_000_000)
+        return out
 
     def set(self, key: str, value: BlobValue) -> None:
         """Write a temp file, fsync it, rename it onto the key (see the module doc)."""
@@ -177,6 +192,7 @@ class FileBlob(Blob):
                     if below.startswith(prefix) or prefix.startswith(below):
                         yield from self._walk(entry.path, below, prefix)
                 elif key.startswith(prefix):
-                    yield BlobMeta(key, entry.stat(follow_symlinks=False).st_size)
+                    st = entry.stat(follow_symlinks=False)
+                    yield BlobMeta(key, st.st_size, st.st_mtime_ns // 1_000_000)
             except FileNotFoundError:
                 continue  # deleted while we were listing

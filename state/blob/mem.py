@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 
 from ..errors import InvalidUri
 from . import Blob, BlobMeta, BlobValue, validate_key
@@ -27,6 +28,7 @@ class _Store:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.data: dict[str, bytes] = {}
+        self.modified_ms: dict[str, int] = {}
 
 
 # Named stores, shared by every MemBlob opened with the same name in this process.
@@ -73,20 +75,29 @@ class MemBlob(Blob):
         frozen = bytes(value)
         with self._store.lock:
             self._store.data[key] = frozen
+            self._store.modified_ms[key] = time.time_ns() // 1_000_000
 
     def delete(self, key: str) -> int | None:
         """Remove ``key``; idempotent."""
         validate_key(key)
         with self._store.lock:
             value = self._store.data.pop(key, None)
+            self._store.modified_ms.pop(key, None)
         return None if value is None else len(value)
 
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Yield from a snapshot taken under the lock, so concurrent writers cannot break it."""
         with self._store.lock:
             snapshot = [
-                BlobMeta(key, len(value))
+                BlobMeta(key, len(value), self._store.modified_ms.get(key))
                 for key, value in self._store.data.items()
                 if key.startswith(prefix)
             ]
         return iter(snapshot)
+
+    def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:
+        """Look every key up under one lock."""
+        checked = [validate_key(k) for k in keys]
+        with self._store.lock:
+            data, modified = self._store.data, self._store.modified_ms
+            return {k: BlobMeta(k, len(data[k]), modified.get(k)) for k in checked if k in data}

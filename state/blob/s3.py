@@ -51,6 +51,8 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -93,6 +95,8 @@ MULTIPART_PART_BYTES = 16 * 1024 * 1024
 """The size of each piece but the last (S3 wants at least 5 MiB; at most 10,000 pieces)."""
 DELETE_BATCH = 1000
 """Keys per ``delete_objects`` request: S3's limit."""
+STAT_THREADS = 8
+"""``head_object`` requests a commit's existence check of its staged parts runs at once."""
 _TRANSIENT_DELETE_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown"})
 
 
@@ -416,6 +420,31 @@ class S3Blob(Blob):
             self._call("delete_many", f"{first} and {len(pending) - 1} more", remove)
         return len(names)
 
+    def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:
+        """``head_object`` per key (no data moves), up to :data:`STAT_THREADS` at once."""
+        checked = [validate_key(k) for k in keys]
+
+        def head(key: str) -> BlobMeta | None:
+            name = self._key_prefix + key
+
+            def call() -> BlobMeta | None:
+                try:
+                    got = self._client().head_object(Bucket=self._bucket, Key=name)
+                except ClientError as e:
+                    if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                        return None
+                    raise
+                return BlobMeta(key, got["ContentLength"], _ms(got.get("LastModified")))
+
+            return self._call("head", key, call)
+
+        if len(checked) <= 1:
+            metas = [head(k) for k in checked]
+        else:
+            with ThreadPoolExecutor(min(STAT_THREADS, len(checked))) as pool:
+                metas = list(pool.map(head, checked))
+        return {m.key: m for m in metas if m is not None}
+
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Page through ``list_objects_v2``; objects whose names are not valid keys are skipped.
 
@@ -430,11 +459,16 @@ class S3Blob(Blob):
             for obj in page.get("Contents", ()):
                 key = obj["Key"][start:]
                 if _is_valid_key(key):
-                    yield BlobMeta(key, obj["Size"])
+                    yield BlobMeta(key, obj["Size"], _ms(obj.get("LastModified")))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
             args["ContinuationToken"] = token
+
+
+def _ms(when: datetime | None) -> int | None:
+    """An S3 timestamp (the store's clock) in epoch milliseconds."""
+    return None if when is None else int(when.timestamp() * 1000)
 
 
 class _DeleteErrors(Exception):

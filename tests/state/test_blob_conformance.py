@@ -124,6 +124,18 @@ def test_list_keys_with_and_without_prefix(blob: Blob) -> None:
         assert listed(blob, prefix) == expect(prefix), prefix
 
 
+def test_stat_many_names_existing_keys_with_size_and_store_time(blob: Blob) -> None:
+    """What a commit's check of its staged parts relies on: present keys only, store timestamps."""
+    before_ms = time.time_ns() // 1_000_000 - 5_000  # the store's clock may differ a little
+    blob.set("shard-s/part/a", b"x" * 10)
+    blob.set("shard-s/part/b", b"")
+    got = blob.stat_many(["shard-s/part/a", "shard-s/part/missing", "shard-s/part/b"])
+    assert {k: m.size_bytes for k, m in got.items()} == {"shard-s/part/a": 10, "shard-s/part/b": 0}
+    for meta in [*got.values(), *blob.list_keys("shard-s/")]:
+        assert meta.modified_ms is not None and meta.modified_ms >= before_ms
+    assert blob.stat_many([]) == {}
+
+
 def test_keys_with_slashes(blob: Blob) -> None:
     blob.set("a/b/c/d", b"deep")
     blob.set("a/e", b"shallow")

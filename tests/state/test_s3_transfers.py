@@ -195,9 +195,7 @@ def test_gc_deletes_in_batches(s3_blob: S3Blob) -> None:
     from pyspark_persist.state import PersistClient, PersistConfig
     from pyspark_persist.state.consensus import open_consensus
 
-    config = PersistConfig(
-        maintenance=False, inline_write_max_bytes=1, compaction_fan_in=2, staged_part_grace_s=0.001
-    )
+    config = PersistConfig(maintenance=False, inline_write_max_bytes=1, compaction_fan_in=2)
     client = PersistClient(s3_blob, open_consensus(f"mem://{uuid.uuid4().hex}"), config=config)
     shard = client.open_shard("gc", pa.schema([("id", pa.int64())]))
     writer = shard.writer()

@@ -1,0 +1,153 @@
+"""Reader leases are in effect before parts are handed out, and heartbeats outlive maintenance.
+
+- A snapshot planned from a state older than the SeqNo hold a heartbeat has
+  just recorded would hand out parts GC may delete: the lease must be taken
+  on a state at or after that hold (issue 13 item 3a).
+- Heartbeats run on their own thread: a maintenance step that takes longer
+  than a lease never lets a live reader expire (issue 13 item 3b).
+
+Both interleavings are forced with explicit hooks, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state.blob import open_blob
+from pyspark_persist.state.cache import StateCache
+from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.state.parts import DIFF
+from pyspark_persist.state.state import ShardState
+
+SCHEMA = pa.schema([("k", pa.int64())])
+
+
+def updates(keys: list[int], t: int) -> pa.Table:
+    """One row per key at time ``t`` with diff +1."""
+    n = len(keys)
+    return pa.table(
+        {
+            "k": pa.array(keys, pa.int64()),
+            "_time": pa.array([t] * n, pa.uint64()),
+            DIFF: pa.array([1] * n, pa.int64()),
+        }
+    )
+
+
+def counts(table: pa.Table) -> collections.Counter[int]:
+    """The multiset a snapshot table stands for."""
+    out: collections.Counter[int] = collections.Counter()
+    for k, d in zip(table.column("k").to_pylist(), table.column(DIFF).to_pylist(), strict=True):
+        out[k] += d
+    return +out
+
+
+def client_on(tag: str, config: PersistConfig) -> PersistClient:
+    """A mem client with its own state cache: it sees other clients only through Consensus."""
+    return PersistClient(
+        open_blob(f"mem://{tag}"), open_consensus(f"mem://{tag}"), config=config, cache=StateCache()
+    )
+
+
+CONFIG = PersistConfig(compaction_fan_in=2, inline_write_max_bytes=1, maintenance=False)
+
+
+@pytest.mark.parametrize("how", ["snapshot", "listen"])
+def test_gc_in_the_lease_window_cannot_delete_handed_out_parts(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A heartbeat records a newer SeqNo hold between the planner's state read and its lease.
+
+    The hook runs, at that moment, what other processes may do: write,
+    compact, and (after this reader's heartbeat moved its hold on) GC. The
+    old code leased the older state and handed out parts GC had just
+    deleted, so the fetch failed with PartNotFound.
+    """
+    tag = uuid.uuid4().hex
+    mine, other = client_on(tag, CONFIG), client_on(tag, CONFIG)
+    try:
+        shard = mine.open_shard("window", SCHEMA)
+        writer = shard.writer()
+        for t in range(2):
+            writer.compare_and_append(updates([t], t), t, t + 1)
+        reader = shard.reader()
+        listen = reader.listen(0) if how == "listen" else None
+        machine = shard.machine
+        real_state = machine.state
+        armed = [True]
+
+        def state_then_interleave() -> ShardState:
+            state = real_state()
+            if armed[0]:
+                armed[0] = False
+                theirs = other.open_shard("window", SCHEMA)
+                theirs.writer().compare_and_append(updates([2], 2), 2, 3)
+                assert any(r.applied for r in theirs.compact())
+                machine.fetch_latest()
+                reader.heartbeat()  # the hold moves to the newest state this process knows
+                assert theirs.gc().parts_deleted > 0
+            return state
+
+        monkeypatch.setattr(machine, "state", state_then_interleave)
+        if listen is None:
+            got = counts(reader.snapshot_table(1))
+            assert got == collections.Counter({0: 1, 1: 1})
+        else:
+            event = listen.next(timeout_s=None)
+            assert event is not None
+            got = counts(reader.fetch(event.parts))
+            assert got == collections.Counter({1: 1}) or got == collections.Counter({1: 1, 2: 1})
+        assert not armed[0], "the hook never ran"
+    finally:
+        mine.close()
+        other.close()
+
+
+def test_long_maintenance_does_not_starve_heartbeats() -> None:
+    """A compaction held (by a hook) for many heartbeat intervals: the reader keeps its lease."""
+    tag = uuid.uuid4().hex
+    config = PersistConfig(heartbeat_interval_s=0.01, reader_lease_s=60.0, maintenance=True)
+    client = client_on(tag, config)
+    release = threading.Event()
+    holding = threading.Event()
+    beats = threading.Semaphore(0)
+    try:
+        shard = client.open_shard("starve", SCHEMA)
+        maintenance = client.maintenance
+        real_compact_now = maintenance.compact_now
+
+        def held_compact_now(*args: Any, **kwargs: Any) -> Any:
+            holding.set()
+            release.wait(60)
+            return real_compact_now(*args, **kwargs)
+
+        maintenance.compact_now = held_compact_now  # type: ignore[method-assign]
+        maintenance._submit("compact", shard.machine)
+        assert holding.wait(30), "maintenance never started"
+        reader = shard.reader()
+        real_heartbeat = reader.heartbeat
+
+        def counted_heartbeat() -> None:
+            real_heartbeat()
+            beats.release()
+
+        reader.heartbeat = counted_heartbeat  # type: ignore[method-assign]
+        before = shard.state().leased_readers[reader.reader_id].last_heartbeat_ms
+        # Three heartbeats while the maintenance thread is still held.
+        assert all(beats.acquire(timeout=30) for _ in range(3)), "heartbeats waited for maintenance"
+        assert holding.is_set() and not release.is_set()
+        after = shard.machine.fetch_latest().leased_readers[reader.reader_id]
+        assert after.last_heartbeat_ms >= before
+        release.set()
+        assert maintenance.wait_idle(30)
+        reader.close()
+    finally:
+        release.set()
+        client.close()
