@@ -187,6 +187,7 @@ def commit_staged(
         upload_s=round(sum(m.upload_s for m in msgs), 6),
         commit_s=round(time.perf_counter() - started, 6),
         upper=result.upper,
+        extra={"committed_token": result.token} if isinstance(result, AlreadyCommitted) else {},
     )
 
 
@@ -194,7 +195,8 @@ def abort_staged(opts: PersistOptions, messages: list[WriterCommitMessage | None
     """Delete every part the tasks staged: the micro-batch was not committed."""
 
     blob = blob_for(opts.blob)
-    state = client_for(opts).open_shard(opts.shard, create=False).state()
+    # Fresh from Consensus: a part is deleted only if the newest state does not reference it.
+    state = client_for(opts).open_shard(opts.shard, create=False).machine.fetch_latest()
     referenced = {p.key for b in state.batches.values() for p in b.parts}
     for m in _staged(messages):
         # A commit whose reply was lost may have landed: never delete what state references.
@@ -247,11 +249,25 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
 
 
 class PersistBatchWriter(DataSourceArrowWriter):
-    """``df.write.format("persist")``: ``mode("append")`` or ``mode("overwrite")`` (atomic)."""
+    """``df.write.format("persist")``: ``mode("append")`` or ``mode("overwrite")`` (atomic).
+
+    Idempotency follows Delta's model. With ``writerId`` and ``txnVersion``
+    the job commits with token ``txnVersion`` under the writer ``writerId``:
+    the same (or a lower) version again is skipped, and says so in the log; a
+    higher one is written. That is what makes a re-run of one logical write
+    (a ``foreachBatch`` retry passing its batch id) apply once. Without a
+    version the write claims no idempotency: it commits under a writer
+    identity of its own, so it always lands, whatever else used ``writerId``.
+    """
 
     def __init__(self, opts: PersistOptions, schema: StructType, overwrite: bool) -> None:
         self._opts = opts
-        self._writer_id = opts.writer_id or f"spark-batch-{os.urandom(12).hex()}"
+        if opts.writer_id is not None and opts.txn_version is not None:
+            self._writer_id, self._token = opts.writer_id, opts.txn_version
+        else:
+            # One identity per write, so its token 1 is only ever this write's own retry.
+            prefix = opts.writer_id or "spark-batch"
+            self._writer_id, self._token = f"{prefix}.unversioned-{os.urandom(12).hex()}", 1
         self._schema_bytes, self._has_diff = _prepare_shard(opts, schema)
         self._replace = overwrite
 
@@ -260,9 +276,24 @@ class PersistBatchWriter(DataSourceArrowWriter):
         return stage_rows(self._opts, self._schema_bytes, self._has_diff, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        """Commit the whole job in one compare_and_append (driver)."""
-        token = int(time.time_ns() // 1_000_000) if self._opts.writer_id else 1
-        _report(commit_staged(self._opts, self._writer_id, token, messages, self._replace), None)
+        """Commit the whole job in one compare_and_append (driver); skip a done version."""
+        metrics = commit_staged(self._opts, self._writer_id, self._token, messages, self._replace)
+        if metrics.outcome != "committed":
+            # Nothing of this job is visible: its staged parts are garbage now.
+            abort_staged(self._opts, messages)
+            log.info(
+                "persist batch write skipped: %s",
+                json.dumps(
+                    {
+                        "shard": self._opts.shard,
+                        "writer_id": self._writer_id,
+                        "txn_version": self._token,
+                        "committed_version": metrics.extra["committed_token"],
+                        "reason": "this writerId already committed this txnVersion or a higher one",
+                    }
+                ),
+            )
+        _report(metrics, None)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Delete what the job staged (driver)."""
