@@ -377,6 +377,35 @@ def test_batch_writer_id_and_txn_version_through_spark(spark: SparkSession) -> N
     assert len(_snapshot(shard)) == 12
 
 
+def test_recreated_checkpoint_first_batches_land(spark: SparkSession, tmp_path: Path) -> None:
+    """A checkpoint deleted and recreated under the same path is a new query whose first
+    batches are written (issue 13 item 5), through Spark."""
+    import shutil
+
+    first, second, sink = _name("ck-a"), _name("ck-b"), _name("ck-sink")
+    spark.range(3).write.format("persist").mode("append").save(first)
+    spark.range(100, 103).write.format("persist").mode("append").save(second)
+    ckpt = str(tmp_path / "ck")
+
+    def run(source: str) -> None:
+        q = (
+            spark.readStream.format("persist")
+            .load(source)
+            .drop("_time", "_diff")
+            .writeStream.format("persist")
+            .option("checkpointLocation", ckpt)
+            .trigger(availableNow=True)
+            .start(sink)
+        )
+        assert q.awaitTermination(120)
+        assert q.exception() is None
+
+    run(first)
+    shutil.rmtree(ckpt)
+    run(second)
+    assert sorted(r["id"] for r in _snapshot(sink)) == [0, 1, 2, 100, 101, 102]
+
+
 @pytest.mark.parametrize("mode", [None, "error", "errorifexists", "ignore"])
 def test_unsupported_batch_modes_rejected_by_spark(spark: SparkSession, mode: str | None) -> None:
     """Batch writes other than append/overwrite get Spark's UNSUPPORTED_DATA_SOURCE_SAVE_MODE.
