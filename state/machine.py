@@ -176,6 +176,26 @@ class Machine:
         return result
 
     def _run(self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool) -> R:
+        unknown: list[Indeterminate] = []
+        try:
+            return self._attempt(cmd, idempotent, unknown)
+        except Determinate as e:
+            if not unknown:
+                raise
+            # An earlier attempt may have landed: a "surely did not happen" error would lie.
+            raise Indeterminate(
+                f"shard {self.shard_id!r}: the outcome is unknown: a compare-and-set whose "
+                f"reply was lost ({unknown[0]}) may have landed, and finding out failed: {e}. "
+                "Retry with the same idempotency token to learn whether it did"
+            ) from e
+
+    def _attempt(
+        self,
+        cmd: Callable[[ShardState], Apply[R] | Refuse[R]],
+        idempotent: bool,
+        unknown: list[Indeterminate],
+    ) -> R:
+        """The compare-and-set loop of :meth:`run`; notes each lost reply in ``unknown``."""
         with retry.deadline_in(self.config.retry_timeout_s) as deadline:
             backoff = retry.Backoff(_CONTENTION)
             state = self.state()
@@ -190,8 +210,10 @@ class Machine:
                 try:
                     res = self.consensus.compare_and_set(self.shard_id, state.seqno, row)
                 except (Indeterminate, Determinate) as e:
-                    if isinstance(e, Indeterminate) and not idempotent:
-                        raise
+                    if isinstance(e, Indeterminate):
+                        unknown.append(e)
+                        if not idempotent:
+                            raise
                     if isinstance(e, Determinate) and not retry.is_transient(e):
                         raise
                     if time.monotonic() > deadline:
