@@ -432,13 +432,16 @@ class WriteHandle:
         return result
 
     @traced("WriteHandle.append")
-    def append(self, updates: pa.Table | pa.RecordBatch) -> Committed | AlreadyCommitted:
+    def append(
+        self, updates: pa.Table | pa.RecordBatch, *, token: int | None = None
+    ) -> Committed | AlreadyCommitted:
         """Append updates at one new time (the later of the upper and the wall clock, ms).
 
         Sugar over :meth:`compare_and_append_batches`: stages once, then
         commits at the current upper, retrying races with other writers with
         the same staged parts and the same token (the commit assigns their
-        time). The write lands once per call (see the class doc).
+        time). Pass ``token`` to make a resend of this write idempotent (see
+        the class doc); without it the write always lands once per call.
         """
         table, has_time = conform_updates(updates, self.schema, self.shard_id)
         if has_time:
@@ -447,7 +450,7 @@ class WriteHandle:
                 "compare_and_append() to choose times"
             )
         staged = self._stage(table, has_time)
-        writer, tok = self._identity(None)
+        writer, tok = self._identity(token)
         upper = self.upper
         while True:
             t = max(upper, self._machine.clock_ms())

@@ -1,6 +1,6 @@
 """Idempotency tokens of the Python API: no write is silently dropped or applied twice.
 
-Issue 13, items 6 and 7. Faults come from the unreliable Consensus wrapper:
+Issue 13, items 6 to 8. Faults come from the unreliable Consensus wrapper:
 a lost reply is a compare-and-set that landed but raised Indeterminate.
 
 - Two live handles of one ``writer_id`` number their automatic tokens under
@@ -9,6 +9,8 @@ a lost reply is a compare-and-set that landed but raised Indeterminate.
   different write gets a new token and lands.
 - An unknown outcome that the machine could not resolve before its deadline
   is raised as Indeterminate, never as a Determinate StoreUnavailable.
+- Idempotency across handles and restarts is explicit: the caller passes the
+  token it will resend.
 """
 
 from __future__ import annotations
@@ -129,3 +131,21 @@ def test_unknown_outcome_past_the_deadline_is_indeterminate() -> None:
     assert writer.compare_and_append(rows([7]), 0, 1, token=1) == AlreadyCommitted(1, 1)
     assert values(stores.client, "s") == collections.Counter([7])
     stores.client.close()
+
+
+def test_resend_with_the_callers_token_applies_once(lossy: Lossy) -> None:
+    """Item 8: idempotency is explicit. A resend through a new handle (a restarted process) with
+    the token the caller used is AlreadyCommitted; a write without a token claims nothing and a
+    resend of it lands again, as the README's idempotency contract says."""
+    shard = lossy.client.open_shard("s", SCHEMA)
+    lossy.inner.enabled = True
+    with pytest.raises(Indeterminate):
+        shard.writer("app").append(rows([1, 2]), token=7)
+    restarted = shard.writer("app")
+    assert isinstance(restarted.append(rows([1, 2]), token=7), AlreadyCommitted)
+    assert isinstance(restarted.append(rows([3]), token=8), Committed)
+    assert values(lossy.client, "s") == collections.Counter([1, 2, 3])
+
+    shard.writer("app").append(rows([9]))
+    shard.writer("app").append(rows([9]))
+    assert values(lossy.client, "s")[9] == 2
