@@ -48,6 +48,7 @@ SPLIT_SIZE = "splitsizebytes"
 MIN_PARTITIONS = "minpartitions"
 FAIL_ON_DATA_LOSS = "failondataloss"
 WRITER_ID = "writerid"
+TXN_VERSION = "txnversion"
 PART_SIZE = "partsizebytes"
 CHECKPOINT = "checkpointlocation"
 FILTER_PUSHDOWN = "filterpushdown"
@@ -63,6 +64,7 @@ _WRITES: frozenset[Purpose] = frozenset({"write", "stream_write"})
 _READ: frozenset[Purpose] = frozenset({"read"})
 _STREAM_READ: frozenset[Purpose] = frozenset({"stream_read"})
 _STREAM_WRITE: frozenset[Purpose] = frozenset({"stream_write"})
+_BATCH_WRITE: frozenset[Purpose] = frozenset({"write"})
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("failOnDataLoss", FAIL_ON_DATA_LOSS, _STREAM_READ),
     OptionName("filterPushdown", FILTER_PUSHDOWN, _READ),
     OptionName("writerId", WRITER_ID, _WRITES),
+    OptionName("txnAppId", WRITER_ID, _BATCH_WRITE),  # Delta's name for writerId
+    OptionName("txnVersion", TXN_VERSION, _BATCH_WRITE),  # Delta's name too
     OptionName("partSizeBytes", PART_SIZE, _WRITES),
     OptionName("checkpointLocation", CHECKPOINT, _STREAM_WRITE),  # Spark's, for streaming
     OptionName("queryName", QUERY_NAME, _STREAM_WRITE),  # Spark's, from .queryName(name)
@@ -139,6 +143,7 @@ class PersistOptions:
     min_partitions: int = DEFAULT_MIN_PARTITIONS
     fail_on_data_loss: bool = True
     writer_id: str | None = None
+    txn_version: int | None = None
     part_size_bytes: int | None = None
     checkpoint_location: str | None = None
     filter_pushdown: bool = False
@@ -182,6 +187,14 @@ class PersistOptions:
                 "one limit per micro-batch); set only one"
             )
         pubsub = opts.get(PUBSUB)
+        writer_id = opts.get(WRITER_ID) or None
+        txn_version = _int(opts, said, TXN_VERSION)
+        if txn_version is not None and writer_id is None:
+            raise InvalidUsage(
+                f"persist: option {said[TXN_VERSION]} needs a writer to version: set "
+                '.option("writerId", "<your application>") too (a version is counted per '
+                "writerId; the same writerId and version again is skipped)"
+            )
         return cls(
             shard=name,
             blob=_uri(opts, said, BLOB) or default_blob_uri(),
@@ -196,7 +209,8 @@ class PersistOptions:
             split_size_bytes=_size(opts, said, SPLIT_SIZE) or DEFAULT_SPLIT_SIZE,
             min_partitions=_int(opts, said, MIN_PARTITIONS, minimum=1) or DEFAULT_MIN_PARTITIONS,
             fail_on_data_loss=_bool(opts, said, FAIL_ON_DATA_LOSS, default=True),
-            writer_id=opts.get(WRITER_ID) or None,
+            writer_id=writer_id,
+            txn_version=txn_version,
             part_size_bytes=_size(opts, said, PART_SIZE),
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),

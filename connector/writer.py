@@ -18,7 +18,6 @@ and inserts the new result.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -85,9 +84,9 @@ def query_writer_id(opts: PersistOptions) -> str:
     """The writer identity of a streaming query: stable across restarts from one checkpoint.
 
     ``writerId`` if given; else the query id Spark keeps in
-    ``<checkpointLocation>/metadata``; else (a checkpoint we cannot read
-    locally) a hash of the checkpoint location. A new checkpoint is a new
-    query and so a new writer: its batches are written, never skipped.
+    ``<checkpointLocation>/metadata``. A new checkpoint (even one recreated
+    under the same path) is a new query id and so a new writer: its batches
+    are written, never skipped as a replay of the old query's.
     """
     if opts.writer_id:
         return opts.writer_id
@@ -96,13 +95,52 @@ def query_writer_id(opts: PersistOptions) -> str:
             "persist sink: exactly-once needs a stable query identity: set "
             '.option("checkpointLocation", ...) on writeStream (or .option("writerId", ...))'
         )
-    path = opts.checkpoint_location.removeprefix("file://").removeprefix("file:")
+    return f"spark-query-{checkpoint_query_id(opts.checkpoint_location)}"
+
+
+_S3_ALIASES = ("s3a://", "s3n://")
+"""Hadoop's names for S3, which Arrow's file systems call ``s3://``."""
+
+
+def checkpoint_query_id(location: str) -> str:
+    """The query id in ``<location>/metadata``, read where the checkpoint lives.
+
+    ``commit`` runs in a Python planner worker with no handle on the JVM (see
+    SPARK-API.md), so the file is read with Arrow's file systems: local paths
+    and ``file:``, S3 (``s3``/``s3a``/``s3n``, credentials and endpoint from
+    the standard AWS variables such as ``AWS_ENDPOINT_URL``), GCS, Azure
+    (``abfs``/``abfss``) and HDFS (with libhdfs). Nothing is cached: a
+    checkpoint deleted and recreated under the same path has a new id, and a
+    stale one would drop the new query's first batches as replays.
+    """
+    path = location.removeprefix("file://").removeprefix("file:")
     try:
-        with open(os.path.join(path, "metadata")) as f:
-            return f"spark-query-{json.loads(f.readline())['id']}"
-    except (OSError, ValueError, KeyError):
-        digest = hashlib.sha256(opts.checkpoint_location.encode()).hexdigest()[:24]
-        return f"spark-checkpoint-{digest}"
+        if "://" not in path:
+            with open(os.path.join(path, "metadata"), "rb") as f:
+                raw = f.readline()
+        else:
+            raw = _read_remote(location.rstrip("/") + "/metadata")
+        return str(json.loads(raw)["id"])
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as e:
+        raise InvalidUsage(
+            f"persist sink: cannot read the query id from {location.rstrip('/')}/metadata "
+            f"({type(e).__name__}: {e}); exactly-once needs it to tell a new checkpoint from "
+            "a restart. Make the checkpoint readable from the driver's Python, or set "
+            '.option("writerId", ...) and change it whenever you start a new checkpoint'
+        ) from None
+
+
+def _read_remote(uri: str) -> bytes:
+    """The first line of a file on a file system Arrow knows (see checkpoint_query_id)."""
+    import pyarrow.fs
+
+    for alias in _S3_ALIASES:
+        if uri.startswith(alias):
+            uri = "s3://" + uri.removeprefix(alias)
+    fs, path = pyarrow.fs.FileSystem.from_uri(uri)
+    with fs.open_input_stream(path) as f:
+        data: bytes = f.read()
+    return data.split(b"\n", 1)[0]
 
 
 def _prepare_shard(opts: PersistOptions, schema: StructType) -> tuple[bytes, bool]:
@@ -188,6 +226,7 @@ def commit_staged(
         upload_s=round(sum(m.upload_s for m in msgs), 6),
         commit_s=round(time.perf_counter() - started, 6),
         upper=result.upper,
+        extra={"committed_token": result.token} if isinstance(result, AlreadyCommitted) else {},
     )
 
 
@@ -248,11 +287,25 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
 
 
 class PersistBatchWriter(DataSourceArrowWriter):
-    """``df.write.format("persist")``: ``mode("append")`` or ``mode("overwrite")`` (atomic)."""
+    """``df.write.format("persist")``: ``mode("append")`` or ``mode("overwrite")`` (atomic).
+
+    Idempotency follows Delta's model. With ``writerId`` and ``txnVersion``
+    the job commits with token ``txnVersion`` under the writer ``writerId``:
+    the same (or a lower) version again is skipped, and says so in the log; a
+    higher one is written. That is what makes a re-run of one logical write
+    (a ``foreachBatch`` retry passing its batch id) apply once. Without a
+    version the write claims no idempotency: it commits under a writer
+    identity of its own, so it always lands, whatever else used ``writerId``.
+    """
 
     def __init__(self, opts: PersistOptions, schema: StructType, overwrite: bool) -> None:
         self._opts = opts
-        self._writer_id = opts.writer_id or f"spark-batch-{os.urandom(12).hex()}"
+        if opts.writer_id is not None and opts.txn_version is not None:
+            self._writer_id, self._token = opts.writer_id, opts.txn_version
+        else:
+            # One identity per write, so its token 1 is only ever this write's own retry.
+            prefix = opts.writer_id or "spark-batch"
+            self._writer_id, self._token = f"{prefix}.unversioned-{os.urandom(12).hex()}", 1
         self._schema_bytes, self._has_diff = _prepare_shard(opts, schema)
         self._replace = overwrite
 
@@ -261,9 +314,24 @@ class PersistBatchWriter(DataSourceArrowWriter):
         return stage_rows(self._opts, self._schema_bytes, self._has_diff, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        """Commit the whole job in one compare_and_append (driver)."""
-        token = int(time.time_ns() // 1_000_000) if self._opts.writer_id else 1
-        _report(commit_staged(self._opts, self._writer_id, token, messages, self._replace), None)
+        """Commit the whole job in one compare_and_append (driver); skip a done version."""
+        metrics = commit_staged(self._opts, self._writer_id, self._token, messages, self._replace)
+        if metrics.outcome != "committed":
+            # Nothing of this job is visible: its staged parts are garbage now.
+            abort_staged(self._opts, messages)
+            log.info(
+                "persist batch write skipped: %s",
+                json.dumps(
+                    {
+                        "shard": self._opts.shard,
+                        "writer_id": self._writer_id,
+                        "txn_version": self._token,
+                        "committed_version": metrics.extra["committed_token"],
+                        "reason": "this writerId already committed this txnVersion or a higher one",
+                    }
+                ),
+            )
+        _report(metrics, None)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Delete what the job staged (driver)."""

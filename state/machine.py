@@ -202,6 +202,22 @@ class Machine:
     def _run(
         self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool, info: RunInfo
     ) -> R:
+        try:
+            return self._attempt(cmd, idempotent, info)
+        except Determinate as e:
+            if not info.uncertain:
+                raise
+            # An earlier attempt may have landed: a "surely did not happen" error would lie.
+            raise Indeterminate(
+                f"shard {self.shard_id!r}: the outcome is unknown: the compare-and-set to SeqNo "
+                f"{info.indeterminate_seqnos[0]} lost its reply and may have landed, and finding "
+                f"out failed: {e}. Retry with the same idempotency token to learn whether it did"
+            ) from e
+
+    def _attempt(
+        self, cmd: Callable[[ShardState], Apply[R] | Refuse[R]], idempotent: bool, info: RunInfo
+    ) -> R:
+        """The compare-and-set loop of :meth:`run`; notes each lost reply in ``info``."""
         with retry.deadline_in(self.config.retry_timeout_s) as deadline:
             backoff = retry.Backoff(_CONTENTION)
             state = self.state()
@@ -218,8 +234,8 @@ class Machine:
                 except (Indeterminate, Determinate) as e:
                     if isinstance(e, Indeterminate):
                         info.indeterminate_seqnos.append(row.seqno)
-                    if isinstance(e, Indeterminate) and not idempotent:
-                        raise
+                        if not idempotent:
+                            raise
                     if isinstance(e, Determinate) and not retry.is_transient(e):
                         raise
                     if time.monotonic() > deadline:

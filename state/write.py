@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from . import commands
 from .blob import Blob
-from .commands import AlreadyCommitted, AppendResult, Committed
+from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
 from .errors import InvalidFrontier, InvalidUpdates, InvalidUsage, StagedPartsExpired
 from .machine import Machine, RunInfo
@@ -275,20 +275,33 @@ def check_staged(machine: Machine, parts: Sequence[PartRef]) -> None:
 
 
 class WriteHandle:
-    """Appends to one shard as one writer identity, exactly once per idempotency token.
+    """Appends to one shard; exactly once per idempotency token the caller passes.
 
-    ``writer_id`` names the writer in state; each commit carries an integer
-    token that must exceed the writer's last committed one. Left to itself the
-    handle numbers its commits; the Spark sink passes the micro-batch id.
+    Idempotency is explicit. A commit given ``token=`` is recorded under
+    ``writer_id``, whose tokens only go up: the same (or a lower) token again
+    is answered AlreadyCommitted and applies nothing, so a caller that resends
+    a write after a crash or an error passes the token it used the first time
+    (the Spark sink passes the micro-batch id). Which data a token stands for
+    is the caller's promise: two handles, or two processes, that give one
+    ``writer_id`` and token to different data lose the second.
+
+    A commit without a token is numbered by this handle under an identity of
+    its own (``<writer_id>.auto-<random>``), never shared with another handle:
+    two live handles of one ``writer_id`` cannot drop each other's writes, and
+    the machine's retry after a lost reply still finds its own commit. Such
+    writes claim no idempotency across handles or restarts: resending one
+    through a new handle applies it again. A token is spent as soon as a
+    commit is attempted, so after an unknown outcome (Indeterminate) the next
+    write never reuses it for different data.
     """
 
     def __init__(self, machine: Machine, schema: pa.Schema, writer_id: str | None) -> None:
         self._machine = machine
         self.schema = schema
         self.writer_id = writer_id or f"w-{uuid.uuid4().hex}"
-        # Fresh from Consensus: a stale cache could restart the numbering at a spent token.
-        known = machine.fetch_latest().writers.get(self.writer_id) if writer_id else None
-        self._next_token = (known.last_token + 1) if known else 1
+        self._auto_id = f"{self.writer_id}.auto-{uuid.uuid4().hex[:16]}"
+        self._next_token = 1
+        self._token_lock = threading.Lock()
 
     @property
     def shard_id(self) -> str:
@@ -362,7 +375,6 @@ class WriteHandle:
             [staged], expected_upper, new_upper, token=token, ts_rewrite=ts_rewrite
         )
 
-    @traced("WriteHandle.compare_and_append_batches")
     def compare_and_append_batches(
         self,
         batches: Sequence[StagedBatch],
@@ -376,13 +388,43 @@ class WriteHandle:
     ) -> AppendResult:
         """Commit staged batches as one batch ``[expected_upper, new_upper)`` in one state change.
 
-        ``ts_rewrite`` gives parts staged without times their time (every
-        time is read as at least it). Parts of a surely-failed attempt
-        (UpperMismatch) are deleted unless ``delete_on_mismatch`` is False
-        (a caller that will retry the same staged batches at a new upper).
-        With ``replace`` the commit atomically retracts the shard's current
-        contents too, so afterwards it holds exactly these batches.
+        ``token``: see the class doc. ``ts_rewrite`` gives parts staged
+        without times their time (every time is read as at least it). Parts
+        of a surely-failed attempt (UpperMismatch) are deleted unless
+        ``delete_on_mismatch`` is False (a caller that will retry the same
+        staged batches at a new upper). With ``replace`` the commit
+        atomically retracts the shard's current contents too, so afterwards
+        it holds exactly these batches.
         """
+        writer, tok = self._identity(token)
+        return self._append_batches(
+            batches, expected_upper, new_upper, writer, tok, ts_rewrite, delete_on_mismatch, replace
+        )
+
+    def _identity(self, token: int | None) -> tuple[str, int]:
+        """Who commits with which token: the caller's under ``writer_id``, else an automatic one.
+
+        An automatic token is spent here, before the attempt (see the class doc).
+        """
+        if token is not None:
+            return self.writer_id, token
+        with self._token_lock:
+            self._next_token += 1
+            return self._auto_id, self._next_token - 1
+
+    @traced("WriteHandle.compare_and_append_batches")
+    def _append_batches(
+        self,
+        batches: Sequence[StagedBatch],
+        expected_upper: Time,
+        new_upper: Time,
+        writer: str,
+        token: int,
+        ts_rewrite: Time | None,
+        delete_on_mismatch: bool,
+        replace: bool,
+    ) -> AppendResult:
+        """compare_and_append_batches as ``writer`` with ``token``."""
         _check_uppers(expected_upper, new_upper)
         parts: list[PartRef] = []
         for b in batches:
@@ -404,7 +446,6 @@ class WriteHandle:
                         "that range"
                     )
                 parts.append(part)
-        tok = self._next_token if token is None else token
         info = RunInfo()
         checked = False
 
@@ -415,8 +456,8 @@ class WriteHandle:
                 parts=tuple(parts),
                 expected_upper=expected_upper,
                 new_upper=new_upper,
-                writer_id=self.writer_id,
-                token=tok,
+                writer_id=writer,
+                token=token,
                 now_ms=self._machine.clock_ms(),
                 replace=replace,
             )
@@ -428,21 +469,23 @@ class WriteHandle:
             return outcome
 
         result = self._machine.run(append, info=info)
-        if isinstance(result, Committed | AlreadyCommitted):
-            self._next_token = max(self._next_token, tok + 1)
-        elif delete_on_mismatch:
+        if isinstance(result, UpperMismatch) and delete_on_mismatch:
             from .maintenance import never_committed
 
             delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
         return result
 
     @traced("WriteHandle.append")
-    def append(self, updates: pa.Table | pa.RecordBatch) -> Committed | AlreadyCommitted:
+    def append(
+        self, updates: pa.Table | pa.RecordBatch, *, token: int | None = None
+    ) -> Committed | AlreadyCommitted:
         """Append updates at one new time (the later of the upper and the wall clock, ms).
 
         Sugar over :meth:`compare_and_append_batches`: stages once, then
         commits at the current upper, retrying races with other writers with
-        the same staged parts (the commit assigns their time).
+        the same staged parts and the same token (the commit assigns their
+        time). Pass ``token`` to make a resend of this write idempotent (see
+        the class doc); without it the write always lands once per call.
         """
         table, has_time = conform_updates(updates, self.schema, self.shard_id)
         if has_time:
@@ -451,13 +494,11 @@ class WriteHandle:
                 "compare_and_append() to choose times"
             )
         staged = self._stage(table, has_time)
-        token = self._next_token
+        writer, tok = self._identity(token)
         upper = self.upper
         while True:
             t = max(upper, self._machine.clock_ms())
-            result = self.compare_and_append_batches(
-                [staged], upper, t + 1, token=token, ts_rewrite=t, delete_on_mismatch=False
-            )
+            result = self._append_batches([staged], upper, t + 1, writer, tok, t, False, False)
             if isinstance(result, Committed | AlreadyCommitted):
                 return result
             upper = result.current

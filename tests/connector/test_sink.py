@@ -342,6 +342,70 @@ def test_options_spark_injects_are_accepted_and_typos_suggested(
     assert "did you mean splitSizeBytes?" in text
 
 
+def test_batch_writer_id_and_txn_version_through_spark(spark: SparkSession) -> None:
+    """The issue's acceptance case, on the embedded default: writerId + txnVersion 1 twice
+    writes once, version 2 writes again, two unversioned writes with the same writerId both
+    land, and a bad txnVersion fails before any task runs."""
+    shard = _name("txn")
+
+    def write(start: int, **options: str) -> None:
+        df = spark.range(start, start + 3).select("id", F.lit("v").alias("s"))
+        df.write.format("persist").options(**options).mode("append").save(shard)
+
+    write(0, writerId="app", txnVersion="1")
+    write(0, writerId="app", txnVersion="1")
+    assert sorted(r["id"] for r in _snapshot(shard)) == [0, 1, 2]
+    write(10, writerId="app", txnVersion="2")
+    write(20, writerId="app")
+    write(30, writerId="app")
+    expected = [0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32]
+    assert sorted(r["id"] for r in _snapshot(shard)) == expected
+
+    boom = F.udf(_boom, "string")
+    text = _error_text(
+        lambda: (
+            spark.range(3)
+            .select("id", boom("id").alias("s"))
+            .write.format("persist")
+            .option("writerId", "app")
+            .option("txnVersion", "-4")
+            .mode("append")
+            .save(shard)
+        )
+    )
+    assert "txnVersion='-4' must be at least 0" in text and "TASK RAN" not in text
+    assert len(_snapshot(shard)) == 12
+
+
+def test_recreated_checkpoint_first_batches_land(spark: SparkSession, tmp_path: Path) -> None:
+    """A checkpoint deleted and recreated under the same path is a new query whose first
+    batches are written (issue 13 item 5), through Spark."""
+    import shutil
+
+    first, second, sink = _name("ck-a"), _name("ck-b"), _name("ck-sink")
+    spark.range(3).write.format("persist").mode("append").save(first)
+    spark.range(100, 103).write.format("persist").mode("append").save(second)
+    ckpt = str(tmp_path / "ck")
+
+    def run(source: str) -> None:
+        q = (
+            spark.readStream.format("persist")
+            .load(source)
+            .drop("_time", "_diff")
+            .writeStream.format("persist")
+            .option("checkpointLocation", ckpt)
+            .trigger(availableNow=True)
+            .start(sink)
+        )
+        assert q.awaitTermination(120)
+        assert q.exception() is None
+
+    run(first)
+    shutil.rmtree(ckpt)
+    run(second)
+    assert sorted(r["id"] for r in _snapshot(sink)) == [0, 1, 2, 100, 101, 102]
+
+
 @pytest.mark.parametrize("mode", [None, "error", "errorifexists", "ignore"])
 def test_unsupported_batch_modes_rejected_by_spark(spark: SparkSession, mode: str | None) -> None:
     """Batch writes other than append/overwrite get Spark's UNSUPPORTED_DATA_SOURCE_SAVE_MODE.

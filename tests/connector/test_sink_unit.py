@@ -9,17 +9,21 @@ times the sink assigns are checked in milliseconds.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.state import AlreadyCommitted, Committed, PersistClient
+from pyspark_persist.state.errors import InvalidUsage
 from pyspark_persist.writer import (
     METRICS_FILE,
+    PersistBatchWriter,
     PersistCommitMessage,
     PersistStreamWriter,
     read_sink_metrics,
@@ -163,3 +167,139 @@ def test_commit_times_at_or_after_upper_and_wall_clock(tmp_path: Path) -> None:
     times = {r["id"]: r["_time"] for r in table.select(["id", "_time"]).to_pylist()}
     assert times[10] == times[11] == ahead
     assert handle.upper == ahead + 1
+
+
+def _batch_write(shard: str, ids: range, **options: str) -> None:
+    """What Spark does for one ``df.write.format("persist").options(**options).save(shard)``."""
+    opts = PersistOptions.parse({"path": shard, **options}, "write")
+    writer = PersistBatchWriter(opts, SCHEMA, False)
+    rb = pa.RecordBatch.from_pydict(
+        {"id": pa.array(list(ids), pa.int64()), "name": [f"n{i}" for i in ids]}
+    )
+    writer.commit([writer.write(iter([rb]))])
+
+
+def test_batch_txn_version_writes_each_version_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Delta's model: the same writerId and txnVersion again is skipped (and logged); a higher
+    version is written; a lower one is skipped; txnAppId is Delta's name for writerId.
+
+    Protects issue 13 item 4: a re-run of one logical write applies once.
+    """
+    shard = f"txn-{uuid.uuid4().hex[:8]}"
+    client = PersistClient.open()
+    _batch_write(shard, range(0, 3), writerId="app", txnVersion="1")
+    parts_after_first = {m.key for m in client.blob.list_keys(f"{shard}/part/")}
+    with caplog.at_level(logging.INFO, logger="pyspark_persist.writer"):
+        _batch_write(shard, range(0, 3), writerId="app", txnVersion="1")
+    assert _ids(shard) == [0, 1, 2]
+    skipped = [r for r in caplog.records if "persist batch write skipped" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].levelno == logging.INFO
+    record = json.loads(skipped[0].getMessage().split(": ", 1)[1])
+    assert record["writer_id"] == "app" and record["txn_version"] == 1
+    assert record["committed_version"] == 1
+    # The skipped job's staged parts are deleted, not left behind.
+    assert {m.key for m in client.blob.list_keys(f"{shard}/part/")} == parts_after_first
+
+    _batch_write(shard, range(10, 12), txnAppId="app", txnVersion="2")
+    assert _ids(shard) == [0, 1, 2, 10, 11]
+    _batch_write(shard, range(20, 22), writerId="app", txnVersion="0")
+    assert _ids(shard) == [0, 1, 2, 10, 11]
+    state = client.open_shard(shard, create=False).machine.fetch_latest()
+    assert state.writers["app"].last_token == 2
+
+
+def test_batch_writer_id_without_version_always_lands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unversioned writes with one writerId all land, even when the clock stands still.
+
+    Protects issue 13 item 4: tokens used to be the wall clock's ms, so two
+    writes in one millisecond (simulated by freezing the clock) dropped the
+    second as "already committed".
+    """
+    import pyspark_persist.writer as writer_module
+
+    frozen = time.time_ns()
+    monkeypatch.setattr(writer_module.time, "time_ns", lambda: frozen)
+    shard = f"untxn-{uuid.uuid4().hex[:8]}"
+    _batch_write(shard, range(0, 2), writerId="app")
+    _batch_write(shard, range(2, 4), writerId="app")
+    _batch_write(shard, range(4, 6))
+    assert _ids(shard) == list(range(6))
+    # A versioned write of the same writerId is not confused with the unversioned ones.
+    _batch_write(shard, range(6, 8), writerId="app", txnVersion="1")
+    assert _ids(shard) == list(range(8))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"writerId": "app", "txnVersion": "one"}, "txnVersion='one' must be a whole number"),
+        ({"writerId": "app", "txnVersion": "-1"}, "txnVersion='-1' must be at least 0"),
+        ({"txnVersion": "3"}, 'txnVersion needs a writer to version: set .option("writerId"'),
+        ({"writerId": "app", "txnVersoin": "3"}, "did you mean txnVersion?"),
+        ({"txnAppId": "a", "writerId": "b", "txnVersion": "1"}, "set the same thing"),
+    ],
+)
+def test_batch_txn_options_bad_input_fails_before_writing(
+    options: dict[str, str], message: str
+) -> None:
+    """Bad txnVersion input fails while parsing options: no shard is created, nothing written."""
+    shard = f"badtxn-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(InvalidUsage) as info:
+        _batch_write(shard, range(3), **options)
+    assert message in str(info.value)
+    assert PersistClient.open().consensus.head(shard) is None
+
+
+def test_txn_version_is_refused_on_stream_writes(tmp_path: Path) -> None:
+    """A stream's token is its batchId: txnVersion there is an error saying where it applies."""
+    with pytest.raises(InvalidUsage, match="txnVersion applies to batch writes only"):
+        PersistOptions.parse(
+            {"path": "s", "checkpointLocation": str(tmp_path), "writerId": "a", "txnVersion": "1"},
+            "stream_write",
+        )
+
+
+def test_recreated_remote_checkpoint_is_a_new_writer(
+    moto_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint on S3 (Hadoop's ``s3a://``) deleted and recreated under the same path is a
+    new query: its first batches land. Protects issue 13 item 5: the writer id of a remote
+    checkpoint was a hash of its path, so the new query's batch 0 was dropped as a replay."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    s3 = boto3.session.Session().client("s3", endpoint_url=moto_server)
+    prefix = f"ckpt-{uuid.uuid4().hex[:8]}"
+    ckpt = f"s3a://persist-test/{prefix}"
+
+    def new_checkpoint() -> None:
+        # What Spark leaves when a query starts on an empty checkpoint path.
+        meta = json.dumps({"id": str(uuid.uuid4())}) + "\n"
+        s3.put_object(Bucket="persist-test", Key=f"{prefix}/metadata", Body=meta.encode())
+
+    def commit(ids: range, batch_id: int) -> None:
+        opts = PersistOptions.parse({"path": shard, "checkpointLocation": ckpt}, "stream_write")
+        w = PersistStreamWriter(opts, SCHEMA, False)
+        w.commit([_stage(w, ids)], batch_id)
+
+    shard = f"remote-{uuid.uuid4().hex[:8]}"
+    new_checkpoint()
+    commit(range(0, 3), 0)
+    commit(range(0, 3), 0)  # a replay of batch 0 after a crash: applied once
+    commit(range(3, 5), 1)
+    s3.delete_object(Bucket="persist-test", Key=f"{prefix}/metadata")
+    new_checkpoint()
+    commit(range(10, 12), 0)
+    commit(range(12, 14), 1)
+    assert _ids(shard) == [0, 1, 2, 3, 4, 10, 11, 12, 13]
+
+
+def test_unreadable_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    """No metadata to read: an error naming the file and the fix, not a guessed identity."""
+    opts = PersistOptions.parse(
+        {"path": "s", "checkpointLocation": "nosuchfs://bucket/ckpt"}, "stream_write"
+    )
+    with pytest.raises(InvalidUsage, match=r"nosuchfs://bucket/ckpt/metadata.*writerId"):
+        PersistStreamWriter(opts, SCHEMA, False)

@@ -354,23 +354,26 @@ def test_lower_token_after_higher_is_already_committed(
     assert w.compare_and_append(ids(1, start=1), 1, 2, token=3) == AlreadyCommitted(5, 1)
     assert shard.upper == 1
     assert shard.state().writers["w"].last_token == 5
-    # Auto-numbering continues after the highest token used.
+    # A write without a token is numbered under the handle's own identity: it lands, and the
+    # caller's token order of "w" is untouched.
     res = w.compare_and_append(ids(1, start=2), 1, 2)
     assert isinstance(res, Committed)
-    assert shard.state().writers["w"].last_token == 6
+    assert shard.state().writers["w"].last_token == 5
 
 
-def test_new_handle_with_same_writer_id_continues_numbering(
+def test_new_handle_with_same_writer_id_continues_the_callers_tokens(
     client: PersistClient, shard_name: str
 ) -> None:
-    """A new WriteHandle for a known writer_id starts after its last committed token."""
+    """A new WriteHandle of a known writer_id (a restart) resends with the caller's tokens:
+    a token that landed is AlreadyCommitted, the next one is written."""
     shard = client.open_shard(shard_name, SCHEMA)
     w1 = shard.writer("stable")
     for i in range(3):
-        assert isinstance(w1.compare_and_append(ids(1, start=i), i, i + 1), Committed)
+        assert isinstance(w1.compare_and_append(ids(1, start=i), i, i + 1, token=i + 1), Committed)
     assert shard.state().writers["stable"].last_token == 3
     w2 = shard.writer("stable")
-    res = w2.compare_and_append(ids(1, start=3), 3, 4)
+    assert w2.compare_and_append(ids(1, start=2), 3, 4, token=3) == AlreadyCommitted(3, 3)
+    res = w2.compare_and_append(ids(1, start=3), 3, 4, token=4)
     assert isinstance(res, Committed)
     assert shard.state().writers["stable"].last_token == 4
     assert isinstance(w2.append(ids(1, start=4)), Committed)
@@ -688,7 +691,7 @@ def test_rollups_let_a_fresh_client_load_state(location: tuple[str, str], shard_
         shard = client.open_shard(shard_name, SCHEMA)
         w = shard.writer("w")
         for i in range(20):
-            res = w.compare_and_append(at([(i, f"r{i}")], i), i, i + 1)
+            res = w.compare_and_append(at([(i, f"r{i}")], i), i, i + 1, token=i + 1)
             assert isinstance(res, Committed)
         expected = triples(shard.reader().snapshot_table())
         state = shard.state()
@@ -709,9 +712,12 @@ def test_rollups_let_a_fresh_client_load_state(location: tuple[str, str], shard_
                 assert loaded == state
                 loaded.check_invariants()
                 assert triples(again.reader().snapshot_table()) == expected
-                # The fresh client keeps writing where the writer left off.
+                # The fresh client keeps writing where the writer's tokens left off.
                 u = state.upper
-                res = again.writer("w").compare_and_append(at([(99, "z")], u), u, u + 1)
+                token = state.writers["w"].last_token + 1
+                res = again.writer("w").compare_and_append(
+                    at([(99, "z")], u), u, u + 1, token=token
+                )
                 assert isinstance(res, Committed) and res.upper == u + 1
                 assert again.state().writers["w"].last_token == state.writers["w"].last_token + 1
             finally:

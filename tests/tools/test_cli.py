@@ -38,11 +38,11 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     writer = shard.writer("w1")
     for i in range(8):
         writer.compare_and_append(
-            pa.table({"id": [i, 100 + i], "name": ["a", "b"]}), i * 10, i * 10 + 10
+            pa.table({"id": [i, 100 + i], "name": ["a", "b"]}), i * 10, i * 10 + 10, token=i + 1
         )
     # A retraction at time 80: id 0 is gone as of 80, still there as of 79.
     writer.compare_and_append(
-        pa.table({"id": [0], "name": ["a"], "_diff": pa.array([-1], pa.int64())}), 80, 90
+        pa.table({"id": [0], "name": ["a"], "_diff": pa.array([-1], pa.int64())}), 80, 90, token=9
     )
     shard.reader("r1")
     shard.critical_reader("crit")
