@@ -153,7 +153,7 @@ class CompactionReport:
 def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     """Merge ``batches`` (adjacent, in time order) and swap the merge into state if still valid."""
     from .read import iter_parts
-    from .write import BatchBuilder, delete_staged
+    from .write import BatchBuilder, check_staged, delete_staged
 
     state = machine.state()
     lower, upper = batches[0].lower, batches[-1].upper
@@ -193,7 +193,19 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     staged = builder.finish()
     merged = Batch(lower, upper, since, staged.parts)
     info = RunInfo()
-    ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged), info=info)
+    checked = False
+
+    def swap(s: ShardState) -> commands.Outcome[bool]:
+        # Like a write, the merge references its parts only if they are still there and
+        # safe from the orphan sweep (a compaction slower than the grace loses them).
+        nonlocal checked
+        outcome = commands.apply_merge(s, replaced=batches, merged=merged)
+        if isinstance(outcome, commands.Apply) and not checked:
+            check_staged(machine, staged.parts)
+            checked = True
+        return outcome
+
+    ok = machine.run(swap, info=info)
     if not ok:
         delete_staged(machine.blob, never_committed(machine, staged.parts, info))
     return CompactionReport(len(batches), rows_in, rows_out, True, ok)
