@@ -301,6 +301,23 @@ def apply_merge(state: ShardState, *, replaced: tuple[Batch, ...], merged: Batch
     return Apply(b.build(), True)
 
 
+def expire_writers(state: ShardState, *, now_ms: int, idle_ms: int) -> Outcome[tuple[str, ...]]:
+    """Forget writers whose last commit is more than ``idle_ms`` before ``now_ms``.
+
+    A writer entry goes whole (its token with it); the next commit of that
+    writer id registers it afresh.
+    """
+    gone = tuple(
+        sorted(w for w, s in state.writers.items() if s.last_heartbeat_ms + idle_ms < now_ms)
+    )
+    if not gone:
+        return Refuse(())
+    b = DiffBuilder(state)
+    for w in gone:
+        b.delete("writers", w)
+    return Apply(b.build(), gone)
+
+
 def claim_gc(state: ShardState, *, seqno_since: int) -> Outcome[bool]:
     """Record that GC up to ``seqno_since`` is under way, so other processes skip it."""
     if seqno_since <= state.last_gc_seqno:

@@ -271,22 +271,26 @@ class GcReport:
     consensus_rows_deleted: int
     orphans_deleted: int
     readers_expired: tuple[str, ...]
+    writers_expired: tuple[str, ...] = ()
 
 
 @traced("gc")
 def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) -> GcReport:
-    """Expire stale readers, delete unreferenced parts and rollups, truncate Consensus."""
+    """Expire stale readers and idle writers, delete unreferenced parts and rollups, truncate
+    Consensus."""
     now = machine.clock_ms()
     expired = machine.run(lambda s: commands.expire_leased_readers(s, now_ms=now))
+    idle_ms = int(machine.config.writer_idle_expiry_s * 1000)
+    writers = machine.run(lambda s: commands.expire_writers(s, now_ms=now, idle_ms=idle_ms))
     state = machine.fetch_latest()
     seqno_since = state.seqno_since
     claimed = machine.run(lambda s: commands.claim_gc(s, seqno_since=seqno_since))
     if not claimed and not force and not sweep_orphans:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
     shard = machine.shard_id
     history = _read_history(machine)
     if history is None:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
     start, pending, first = history
     walk = gc_walk(start, pending, seqno_since)
     garbage, live, keep, at_since = walk.garbage, walk.live, walk.keep, walk.at_since
@@ -315,7 +319,7 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         truncated,
         orphans,
     )
-    return GcReport(seqno_since, len(garbage), len(removed), truncated, orphans, expired)
+    return GcReport(seqno_since, len(garbage), len(removed), truncated, orphans, expired, writers)
 
 
 def _sweep_orphans(
