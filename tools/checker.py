@@ -26,8 +26,19 @@ replies, refused calls, timeouts, slowness):
 - **one listen** from the start of the shard, the reference history: it
   records each write's time, and its reader holds since just below its
   frontier (what a real consumer does);
-- **maintenance**: ``compact()`` (fan-in 2-4) and ``gc()`` in a loop, on top
-  of the clients' own background maintenance (small ``gc_interval``).
+- **maintenance**: ``compact()`` (fan-in 2-4) and ``gc()`` with the orphan
+  sweep in a loop, on top of the clients' own background maintenance (small
+  ``gc_interval``). Every lost compare-and-set reply of this client runs
+  another compaction (concatenating part lists) into the window before the
+  reply is reported: the race in which compaction once deleted a merge that
+  had landed and been merged again;
+- **a slow writer**: stages its parts in Blob, waits up to 3/4 of the
+  orphan sweep's short grace (``GRACE_S``), then commits, so the sweep races
+  it and commits meet ``StagedPartsExpired`` (then it stages again);
+- **a replacer and its reader** on a second shard: every write replaces
+  the shard's contents; snapshots at random ``as_of`` must show exactly one
+  write, never an older one than was acknowledged by then, and the state
+  must hold only a few part references per replace.
 
 What is checked (each failure is a *violation* with details):
 
@@ -41,8 +52,8 @@ What is checked (each failure is a *violation* with details):
   faults off), events are contiguous, uppers only advance (per writer:
   commits strictly increase it; per client it never goes back);
 - no *leased* read (snapshot or listen) fails with ``PartNotFound``: GC
-  must not delete a part a reader leases; every part the final state
-  references exists;
+  must not delete a part a reader leases; no compaction meets a missing part
+  of batches still in state; every part the final state references exists;
 - the final state satisfies its invariants (batches tile ``[0, upper)``).
 
 Reproducibility: the seed fixes every random choice (the fault sequence of
