@@ -83,7 +83,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,7 @@ from pyspark_persist.state import (
     PersistConfig,
     UpperMismatch,
 )
-from pyspark_persist.state.blob import Blob, BlobValue, open_blob
+from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import (
     CaSResult,
@@ -201,6 +201,7 @@ class LossyBlob(UnreliableBlob):
         super().__init__(inner, faults, enabled=enabled)
         self._n = 0
         self._lock = threading.Lock()
+        self._dropped: dict[str, int] = {}
 
     def set(self, key: str, value: BlobValue) -> None:
         """Drop every third part write (silently), pass everything else on."""
@@ -208,9 +209,19 @@ class LossyBlob(UnreliableBlob):
             with self._lock:
                 self._n += 1
                 drop = self._n % 3 == 0
+                if drop:
+                    self._dropped[key] = len(value)
             if drop:
                 return
         super().set(key, value)
+
+    def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:
+        """Lie consistently: a dropped part is reported stored (so commits check out)."""
+        checked = list(keys)
+        out = super().stat_many(checked)
+        with self._lock:
+            out.update({k: BlobMeta(k, self._dropped[k]) for k in checked if k in self._dropped})
+        return out
 
 
 SABOTAGE = ("fresh_tokens", "lossy_blob", "delete_after_unknown")
