@@ -106,9 +106,10 @@ def compare_and_append(
     The token is checked before the upper: a writer whose earlier attempt
     landed learns so even after other writers moved the upper on. With
     ``replace`` the batch also retracts everything the shard holds, by
-    negated references to its parts at time ``expected_upper`` (the batch's
-    first time, so no read sees old and new rows together): one atomic step
-    from the old contents to exactly ``parts``. See :func:`_retraction`.
+    negated references to its parts at the first time of the new rows (so a
+    read sees the old rows before it and only new ones from it on, never
+    both), or at ``new_upper - 1`` when there are none: one atomic step from
+    the old contents to exactly ``parts``. See :func:`_retraction`.
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
@@ -117,7 +118,8 @@ def compare_and_append(
         return Refuse(UpperMismatch(current=state.upper))
     retractions = 0
     if replace:
-        retract = _retraction(state.trace, expected_upper)
+        first = min((p.effective_min_time for p in parts), default=new_upper - 1)
+        retract = _retraction(state.trace, first)
         retractions = len(retract)
         parts = retract + parts
     b = DiffBuilder(state)
