@@ -23,7 +23,7 @@ from .errors import (
     ShardExists,
     ShardNotFound,
 )
-from .machine import DiffPublisher, Machine, Metrics, NoopPublisher
+from .machine import DiffPublisher, Machine, Metrics, NoopPublisher, RunInfo
 from .maintenance import CompactionReport, GcReport, Maintenance
 from .parts import (
     decode_schema,
@@ -298,7 +298,13 @@ class CriticalReader:
     def compare_and_downgrade_since(
         self, expected_opaque: int, new_opaque: int, new_since: Time
     ) -> CriticalSince:
-        """Move the hold to ``new_since`` iff the stored token is ``expected_opaque``."""
+        """Move the hold to ``new_since`` iff the stored token is ``expected_opaque``.
+
+        A retry after a lost reply finds the token already moved; when state
+        holds exactly this call's ``new_opaque`` and ``new_since`` then, the
+        first attempt landed and the answer is ``ok``, not fenced.
+        """
+        info = RunInfo()
         result = self._machine.run(
             lambda s: commands.compare_and_downgrade_since(
                 s,
@@ -306,7 +312,12 @@ class CriticalReader:
                 expected_opaque=expected_opaque,
                 new_opaque=new_opaque,
                 new_since=new_since,
-            )
+            ),
+            info=info,
         )
-        self.since, self.opaque = result.current.since, result.current.opaque
+        current = result.current
+        if not result.ok and info.uncertain and expected_opaque != new_opaque:
+            if current.opaque == new_opaque and current.since >= new_since:
+                result = CriticalSince(ok=True, current=current)
+        self.since, self.opaque = current.since, current.opaque
         return result

@@ -106,21 +106,21 @@ def compare_and_append(
     The token is checked before the upper: a writer whose earlier attempt
     landed learns so even after other writers moved the upper on. With
     ``replace`` the batch also retracts everything the shard holds, by
-    negated references to its parts at time ``new_upper - 1``: one atomic
-    step from the old contents to exactly ``parts``.
+    negated references to its parts at the first time of the new rows (so a
+    read sees the old rows before it and only new ones from it on, never
+    both), or at ``new_upper - 1`` when there are none: one atomic step from
+    the old contents to exactly ``parts``. See :func:`_retraction`.
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
         return Refuse(AlreadyCommitted(token=writer.last_token, upper=state.upper))
     if state.upper != expected_upper:
         return Refuse(UpperMismatch(current=state.upper))
+    retractions = 0
     if replace:
-        t = new_upper - 1
-        retract = tuple(
-            dc_replace(p, ts_rewrite=t, negate=not p.negate)
-            for batch in state.trace
-            for p in batch.parts
-        )
+        first = min((p.effective_min_time for p in parts), default=new_upper - 1)
+        retract = _retraction(state.trace, first)
+        retractions = len(retract)
         parts = retract + parts
     b = DiffBuilder(state)
     last = state.trace[-1] if state.trace else None
@@ -130,12 +130,34 @@ def compare_and_append(
         b.delete("batches", last.key)
         batch = Batch(lower=last.lower, upper=new_upper, since=last.since, parts=())
     else:
-        batch = Batch(lower=expected_upper, upper=new_upper, since=state.since, parts=parts)
+        batch = Batch(expected_upper, new_upper, state.since, parts, retractions)
     b.put("batches", batch.key, batch)
     b.set("upper", new_upper)
     b.put("writers", writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms))
     diff = b.build()
     return Apply(diff, Committed(upper=new_upper, seqno=diff.to_seqno))
+
+
+def _retraction(trace: tuple[Batch, ...], t: Time) -> tuple[PartRef, ...]:
+    """Negated references, at time ``t``, that cancel everything ``trace`` holds.
+
+    Everything up to the newest replace's batch adds up to that batch's own
+    new parts (its retractions cancel the rest), so only those and the
+    batches after it are negated: a replace adds the parts of the last
+    replace and of the appends since, never every earlier reference again
+    (which doubled the references with each replace). A batch compaction
+    merged no longer marks a replace, and is retracted whole.
+    """
+    start = 0
+    for i in range(len(trace) - 1, -1, -1):
+        if trace[i].retractions:
+            start = i
+            break
+    negated: list[PartRef] = []
+    for i, batch in enumerate(trace[start:]):
+        skip = batch.retractions if i == 0 and batch.retractions else 0
+        negated.extend(dc_replace(p, ts_rewrite=t, negate=not p.negate) for p in batch.parts[skip:])
+    return tuple(negated)
 
 
 def add_rollup(state: ShardState, *, seqno: int, key: str) -> Outcome[bool]:
@@ -279,6 +301,23 @@ def apply_merge(state: ShardState, *, replaced: tuple[Batch, ...], merged: Batch
         b.delete("batches", old.key)
     b.put("batches", merged.key, merged)
     return Apply(b.build(), True)
+
+
+def expire_writers(state: ShardState, *, now_ms: int, idle_ms: int) -> Outcome[tuple[str, ...]]:
+    """Forget writers whose last commit is more than ``idle_ms`` before ``now_ms``.
+
+    A writer entry goes whole (its token with it); the next commit of that
+    writer id registers it afresh.
+    """
+    gone = tuple(
+        sorted(w for w, s in state.writers.items() if s.last_heartbeat_ms + idle_ms < now_ms)
+    )
+    if not gone:
+        return Refuse(())
+    b = DiffBuilder(state)
+    for w in gone:
+        b.delete("writers", w)
+    return Apply(b.build(), gone)
 
 
 def claim_gc(state: ShardState, *, seqno_since: int) -> Outcome[bool]:

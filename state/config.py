@@ -53,6 +53,10 @@ class PersistConfig:
     """GC runs after the oldest held SeqNo has advanced by this many since the last GC."""
     staged_part_grace_s: float = 3600.0
     """Parts staged but never committed are deleted by an orphan sweep after this long."""
+    writer_idle_expiry_s: float = 30 * 86400.0
+    """GC forgets a writer (its entry and last token) once it has not committed for this long
+    (30 days), so the writers map stays small; a writer that then resends an old token has
+    it applied again, so keep this longer than any retry of a write."""
     maintenance: bool = True
     """Run compaction and GC automatically after writes (they also run on demand)."""
 

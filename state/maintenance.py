@@ -153,7 +153,7 @@ class CompactionReport:
 def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     """Merge ``batches`` (adjacent, in time order) and swap the merge into state if still valid."""
     from .read import iter_parts
-    from .write import BatchBuilder, delete_staged
+    from .write import BatchBuilder, check_staged, delete_staged
 
     state = machine.state()
     lower, upper = batches[0].lower, batches[-1].upper
@@ -193,7 +193,19 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     staged = builder.finish()
     merged = Batch(lower, upper, since, staged.parts)
     info = RunInfo()
-    ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged), info=info)
+    checked = False
+
+    def swap(s: ShardState) -> commands.Outcome[bool]:
+        # Like a write, the merge references its parts only if they are still there and
+        # safe from the orphan sweep (a compaction slower than the grace loses them).
+        nonlocal checked
+        outcome = commands.apply_merge(s, replaced=batches, merged=merged)
+        if isinstance(outcome, commands.Apply) and not checked:
+            check_staged(machine, staged.parts)
+            checked = True
+        return outcome
+
+    ok = machine.run(swap, info=info)
     if not ok:
         delete_staged(machine.blob, never_committed(machine, staged.parts, info))
     return CompactionReport(len(batches), rows_in, rows_out, True, ok)
@@ -259,22 +271,26 @@ class GcReport:
     consensus_rows_deleted: int
     orphans_deleted: int
     readers_expired: tuple[str, ...]
+    writers_expired: tuple[str, ...] = ()
 
 
 @traced("gc")
 def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) -> GcReport:
-    """Expire stale readers, delete unreferenced parts and rollups, truncate Consensus."""
+    """Expire stale readers and idle writers, delete unreferenced parts and rollups, truncate
+    Consensus."""
     now = machine.clock_ms()
     expired = machine.run(lambda s: commands.expire_leased_readers(s, now_ms=now))
+    idle_ms = int(machine.config.writer_idle_expiry_s * 1000)
+    writers = machine.run(lambda s: commands.expire_writers(s, now_ms=now, idle_ms=idle_ms))
     state = machine.fetch_latest()
     seqno_since = state.seqno_since
     claimed = machine.run(lambda s: commands.claim_gc(s, seqno_since=seqno_since))
     if not claimed and not force and not sweep_orphans:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
     shard = machine.shard_id
     history = _read_history(machine)
     if history is None:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
     start, pending, first = history
     walk = gc_walk(start, pending, seqno_since)
     garbage, live, keep, at_since = walk.garbage, walk.live, walk.keep, walk.at_since
@@ -303,7 +319,7 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         truncated,
         orphans,
     )
-    return GcReport(seqno_since, len(garbage), len(removed), truncated, orphans, expired)
+    return GcReport(seqno_since, len(garbage), len(removed), truncated, orphans, expired, writers)
 
 
 def _sweep_orphans(

@@ -143,13 +143,18 @@ class Batch:
     """The updates of the time interval ``[lower, upper)``, as zero or more parts.
 
     ``since`` says times below it were advanced to it by compaction, so the
-    batch answers reads only at or past ``since``.
+    batch answers reads only at or past ``since``. A replace's batch starts
+    with ``retractions`` negated parts that cancel everything before it, so
+    everything up to it adds up to its other parts: the next replace
+    retracts only those and the batches after it (see
+    :func:`~pyspark_persist.state.commands.compare_and_append`).
     """
 
     lower: Time
     upper: Time
     since: Time
     parts: tuple[PartRef, ...]
+    retractions: int = 0
 
     @property
     def key(self) -> str:
@@ -178,6 +183,7 @@ class Batch:
             "upper": self.upper,
             "since": self.since,
             "parts": [p.to_json() for p in self.parts],
+            **({"retract": self.retractions} if self.retractions else {}),
         }
 
     @classmethod
@@ -189,6 +195,7 @@ class Batch:
                 upper=int(d["upper"]),
                 since=int(d["since"]),
                 parts=tuple(PartRef.from_json(p) for p in d["parts"]),
+                retractions=int(d.get("retract", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"malformed batch {dict(d)!r}: {e}") from e

@@ -26,8 +26,19 @@ replies, refused calls, timeouts, slowness):
 - **one listen** from the start of the shard, the reference history: it
   records each write's time, and its reader holds since just below its
   frontier (what a real consumer does);
-- **maintenance**: ``compact()`` (fan-in 2-4) and ``gc()`` in a loop, on top
-  of the clients' own background maintenance (small ``gc_interval``).
+- **maintenance**: ``compact()`` (fan-in 2-4) and ``gc()`` with the orphan
+  sweep in a loop, on top of the clients' own background maintenance (small
+  ``gc_interval``). Every lost compare-and-set reply of this client runs
+  another compaction (concatenating part lists) into the window before the
+  reply is reported: the race in which compaction once deleted a merge that
+  had landed and been merged again;
+- **a slow writer**: stages its parts in Blob, waits up to 3/4 of the
+  orphan sweep's short grace (``GRACE_S``), then commits, so the sweep races
+  it and commits meet ``StagedPartsExpired`` (then it stages again);
+- **a replacer and its reader** on a second shard: every write replaces
+  the shard's contents; snapshots at random ``as_of`` must show exactly one
+  write, never an older one than was acknowledged by then, and the state
+  must hold only a few part references per replace.
 
 What is checked (each failure is a *violation* with details):
 
@@ -41,8 +52,8 @@ What is checked (each failure is a *violation* with details):
   faults off), events are contiguous, uppers only advance (per writer:
   commits strictly increase it; per client it never goes back);
 - no *leased* read (snapshot or listen) fails with ``PartNotFound``: GC
-  must not delete a part a reader leases; every part the final state
-  references exists;
+  must not delete a part a reader leases; no compaction meets a missing part
+  of batches still in state; every part the final state references exists;
 - the final state satisfies its invariants (batches tile ``[0, upper)``).
 
 Reproducibility: the seed fixes every random choice (the fault sequence of
@@ -72,7 +83,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +96,7 @@ from pyspark_persist.state import (
     PersistConfig,
     UpperMismatch,
 )
-from pyspark_persist.state.blob import Blob, BlobValue, open_blob
+from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import (
     CaSResult,
@@ -98,6 +109,7 @@ from pyspark_persist.state.errors import (
     CorruptData,
     Determinate,
     Indeterminate,
+    InvalidFrontier,
     InvalidUsage,
     PartNotFound,
     PersistError,
@@ -122,6 +134,10 @@ MAX_DETAILS = 50
 """Violations listed in full; further ones are counted."""
 FINISH_TIMEOUT_S = 60.0
 """How long writers may take to finish their last write, and the listen to catch up."""
+SLOW_INDEX = 800
+"""Writer index of the slow writer (stages, waits, commits), whose parts the sweep races."""
+REPLACE_INDEX = 900
+"""Writer index of the replacer, which replaces a second shard's contents with each write."""
 
 
 def write_size(key: int) -> int:
@@ -155,6 +171,9 @@ class TrackingConsensus(UnreliableConsensus):
     def __init__(self, inner: Consensus, faults: Faults, *, enabled: bool = True) -> None:
         super().__init__(inner, faults, enabled=enabled)
         self._local = threading.local()
+        self.on_lost_reply: Callable[[], None] | None = None
+        """Run after a compare-and-set whose reply is lost, before the caller hears of it:
+        the maintenance client races another compaction into exactly that window."""
 
     def indeterminate_cas(self) -> int:
         """Compare-and-sets of the calling thread that raised Indeterminate so far."""
@@ -166,6 +185,9 @@ class TrackingConsensus(UnreliableConsensus):
             return super().compare_and_set(key, expected, new)
         except Indeterminate:
             self._local.n = self.indeterminate_cas() + 1
+            hook = self.on_lost_reply
+            if hook is not None:
+                hook()
             raise
 
 
@@ -179,6 +201,7 @@ class LossyBlob(UnreliableBlob):
         super().__init__(inner, faults, enabled=enabled)
         self._n = 0
         self._lock = threading.Lock()
+        self._dropped: dict[str, int] = {}
 
     def set(self, key: str, value: BlobValue) -> None:
         """Drop every third part write (silently), pass everything else on."""
@@ -186,14 +209,46 @@ class LossyBlob(UnreliableBlob):
             with self._lock:
                 self._n += 1
                 drop = self._n % 3 == 0
+                if drop:
+                    self._dropped[key] = len(value)
             if drop:
                 return
         super().set(key, value)
 
+    def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:
+        """Lie consistently: a dropped part is reported stored (so commits check out)."""
+        checked = list(keys)
+        out = super().stat_many(checked)
+        with self._lock:
+            out.update({k: BlobMeta(k, self._dropped[k]) for k in checked if k in self._dropped})
+        return out
 
-SABOTAGE = ("fresh_tokens", "lossy_blob")
+
+SABOTAGE = ("fresh_tokens", "lossy_blob", "delete_after_unknown")
 """Deliberate bugs the checker must detect: a writer that takes a new token per retry
-(duplicates after a lost reply), and a Blob that loses acknowledged parts."""
+(duplicates after a lost reply), a Blob that loses acknowledged parts, and compaction's
+cleanup as it was before issue 13 (a refused merge deletes its parts even after a lost
+reply, when the merge may have landed and been merged again)."""
+
+
+@contextlib.contextmanager
+def sabotaged(sabotage: str | None) -> Iterator[None]:
+    """Patch in the ``delete_after_unknown`` bug for the run's threads, and undo it after."""
+    if sabotage != "delete_after_unknown":
+        yield
+        return
+    from pyspark_persist.state import maintenance
+
+    real = maintenance.never_committed
+
+    def old_rule(machine: Any, parts: Sequence[Any], info: Any) -> list[Any]:
+        return [p for p in parts if p.key is not None]
+
+    maintenance.never_committed = old_rule  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        maintenance.never_committed = real
 
 
 @dataclass(frozen=True)
@@ -234,8 +289,13 @@ def default_faults(seed: int, *, reader: bool = False) -> tuple[Faults, Faults]:
     )
 
 
+GRACE_S = 4.0
+"""The orphan sweep's grace: short, so the sweep really races slow writers and compactions
+(commits refuse parts past half of it: StagedPartsExpired, then the writer stages again)."""
+
+
 def worker_config(rng: random.Random) -> PersistConfig:
-    """Knobs that make compaction, GC, rollups and retries happen constantly."""
+    """Knobs that make compaction, GC, rollups, sweeps and retries happen constantly."""
     return PersistConfig(
         part_target_bytes=16 * 1024,
         compaction_fan_in=rng.randint(2, 4),
@@ -244,9 +304,9 @@ def worker_config(rng: random.Random) -> PersistConfig:
         # Half the clients hand every store error straight to the caller, so caller-level
         # retries with the same token are exercised, not only the machine's own.
         retry_timeout_s=rng.choice((1e-9, 0.3)),
-        heartbeat_interval_s=1.0,
+        heartbeat_interval_s=0.2,
         reader_lease_s=120.0,
-        staged_part_grace_s=3600.0,
+        staged_part_grace_s=GRACE_S,
         listen_poll_max_s=0.02,
     )
 
@@ -332,7 +392,11 @@ class Report:
     def operations_checked(self) -> int:
         """Writes verified plus snapshots compared plus listen events checked."""
         return (
-            self.ops["writes_checked"] + self.ops["snapshots_checked"] + self.ops["listen_events"]
+            self.ops["writes_checked"]
+            + self.ops["snapshots_checked"]
+            + self.ops["listen_events"]
+            + self.ops["replace_writes_checked"]
+            + self.ops["replace_snapshots_checked"]
         )
 
     def render(self) -> str:
@@ -407,13 +471,16 @@ def write_loop(
     *,
     sabotage: str | None = None,
     abandon_p: float = 0.15,
+    slow_stage_s: float = 0.0,
 ) -> list[WriteRecord]:
     """Append numbered writes until ``stop``; return what was learned about each.
 
     Retries with the same token (the token is the write number) until the
     write is acknowledged, except that after an error it is abandoned with
     probability ``abandon_p``. With sabotage ``fresh_tokens`` every retry
-    takes a new token, the bug idempotency tokens exist to prevent.
+    takes a new token, the bug idempotency tokens exist to prevent. With
+    ``slow_stage_s`` each attempt stages its parts first and commits them up
+    to that many seconds later: a slow writer the orphan sweep races.
     """
     stopped = stop.is_set if isinstance(stop, threading.Event) else stop
     rng = random.Random(seed)
@@ -445,7 +512,16 @@ def write_loop(
             rec.candidates.append(upper)
             op("write_attempts")
             try:
-                res = writer.compare_and_append(data, upper, new_upper, token=token)
+                if slow_stage_s:
+                    builder = writer.builder()
+                    builder.add(data)
+                    staged = builder.finish()
+                    time.sleep(rng.uniform(0, slow_stage_s))
+                    res = writer.compare_and_append_batches(
+                        [staged], upper, new_upper, token=token, ts_rewrite=upper
+                    )
+                else:
+                    res = writer.compare_and_append(data, upper, new_upper, token=token)
             except (Determinate, Indeterminate) as e:
                 rec.errors += 1
                 op("write_errors_" + type(e).__name__)
@@ -671,6 +747,50 @@ def snapshot_keys(table: pa.Table, who: str, as_of: int, rec: Recorder) -> froze
     return frozenset(per_key)
 
 
+def _check_replaces(
+    loc: Location,
+    shard_name: str,
+    acks: list[tuple[int, int | None, bool, bool]],
+    seen: list[tuple[int, int | None]],
+    rec: Recorder,
+) -> None:
+    """Verify the replaced shard: each snapshot shows exactly the newest replace at its time.
+
+    A snapshot may show a write that was not acknowledged only if its outcome
+    was unknown; never a mix, never an older write than one acknowledged at
+    or before its time. The final state holds a few references per replace
+    (it once doubled them with each).
+    """
+    rec.op("replace_writes_checked", len(acks))
+    rec.op("replace_snapshots_checked", len(seen))
+    landed = sorted((t, key) for key, t, acked, _ in acks if acked and t is not None)
+    times = [t for t, _ in landed]
+    for as_of, key in seen:
+        i = bisect.bisect_right(times, as_of)
+        if i and (key is None or key < landed[i - 1][1]):
+            rec.violation(
+                f"replace-reader: snapshot as_of {as_of} shows write {key}, older than write "
+                f"{landed[i - 1][1]} acknowledged at time {landed[i - 1][0]}"
+            )
+    shown = [key for _, key in sorted(seen) if key is not None]
+    if any(b < a for a, b in zip(shown, shown[1:], strict=False)):
+        rec.violation("replace-reader: a later as_of showed an older replaced write")
+    with PersistClient(
+        open_blob(loc.blob_uri), open_consensus(loc.consensus_uri), cache=StateCache()
+    ) as check:
+        shard = check.open_shard(shard_name)
+        with shard.reader("final-replace-check") as reader:
+            state = shard.state()
+            final = snapshot_keys(reader.snapshot_table(state.upper - 1), "final", 0, rec)
+    acked = [key for key, _, ok, _ in acks if ok]
+    maybe = {key for key, _, ok, unknown in acks if not ok and unknown}
+    if acked and (len(final) != 1 or (max(final) != max(acked) and max(final) not in maybe)):
+        rec.violation(f"replaced shard ends with writes {sorted(final)}, last acked {max(acked)}")
+    refs = sum(len(b.parts) for b in state.batches.values())
+    if refs > 3 * len(acks) + 16:
+        rec.violation(f"replaced shard holds {refs} part references after {len(acks)} replaces")
+
+
 # --- the run ------------------------------------------------------------------------------------
 
 
@@ -685,10 +805,14 @@ def run(
     sabotage: str | None = None,
     root: str | None = None,
     location: Location | None = None,
+    target_ops: int | None = None,
 ) -> Report:
     """Run the workload for ``duration_s`` and verify its history; see the module doc.
 
     ``location`` runs it there instead of a fresh ``backend`` location.
+    ``target_ops`` ends the workload early once about that many operations
+    (acknowledged or abandoned writes, snapshots, listen events, replaces)
+    are done; ``duration_s`` stays the cap.
     """
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 31)
@@ -707,19 +831,21 @@ def run(
     started = time.monotonic()
     clients: list[FaultyClient] = []
     try:
-        _run(
-            loc,
-            shard_name,
-            seed,
-            rng,
-            duration_s,
-            writers,
-            processes,
-            readers,
-            sabotage,
-            rec,
-            clients,
-        )
+        with sabotaged(sabotage):
+            _run(
+                loc,
+                shard_name,
+                seed,
+                rng,
+                duration_s,
+                writers,
+                processes,
+                readers,
+                sabotage,
+                rec,
+                clients,
+                target_ops,
+            )
     finally:
         for fc in clients:
             report.faults.update(fc.faults())
@@ -742,6 +868,7 @@ def _run(
     sabotage: str | None,
     rec: Recorder,
     clients: list[FaultyClient],
+    target_ops: int | None = None,
 ) -> None:
     report = rec.report
 
@@ -756,6 +883,8 @@ def _run(
     ) as setup:
         shard = setup.open_shard(shard_name, SCHEMA)
         shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+        replaced = setup.open_shard(shard_name + "-replaced", SCHEMA)
+        replaced.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
 
     stop = threading.Event()
     history = History(rec)
@@ -879,22 +1008,146 @@ def _run(
             reader.close()
 
     def maintenance_thread() -> None:
-        fc = faulty(rng_seeds["maint"])
+        # Retrying (not failing at once) after a lost reply is what reaches compaction's
+        # cleanup after an unknown outcome.
+        seed = rng_seeds["maint"]
+        fc = FaultyClient(
+            loc, seed, dataclasses.replace(worker_config(random.Random(seed)), retry_timeout_s=0.3)
+        )
+        clients.append(fc)
         r = random.Random(rng_seeds["maint"])
         shard = fc.client.open_shard(shard_name)
+        # Another compactor, racing into the window of every lost reply: it merges the merge
+        # that may just have landed (concatenating part lists, so state keeps its parts).
+        seed = rng_seeds["maint"] + 1
+        config = dataclasses.replace(
+            worker_config(random.Random(seed)), compaction_memory_bytes=1, compaction_fan_in=2
+        )
+        racer = FaultyClient(loc, seed, config)  # its faults stay off
+        clients.append(racer)
+        racer_shard = racer.client.open_shard(shard_name)
+
+        def race() -> None:
+            if stop.is_set():
+                return
+            try:
+                racer_shard.compact()
+                rec.op("compactions_raced_into_lost_replies")
+            except PersistError:
+                rec.op("maintenance_errors")
+
+        fc.consensus.on_lost_reply = race
         fc.enable()
         while not stop.is_set():
             try:
                 if r.random() < 0.6:
                     rec.op("compactions", len(shard.compact()))
                 else:
-                    shard.gc()
+                    shard.gc()  # with the orphan sweep
                     rec.op("gcs")
-            except PartNotFound:
-                rec.op("compaction_raced_gc")  # unleased: compaction re-plans, not a violation
+            except PartNotFound as e:
+                # A compaction that lost its race to GC says so (applied=False); a missing
+                # part of batches still in state is lost data.
+                rec.violation(f"maintenance: compaction found a committed part missing: {e}")
             except PersistError:
                 rec.op("maintenance_errors")
             stop.wait(r.uniform(0.01, 0.1))
+        fc.consensus.on_lost_reply = None
+
+    replace_acks: list[tuple[int, int | None, bool, bool]] = []
+    """Per replace write: (key, landed time if a Committed said, acked, indeterminate)."""
+    replace_seen: list[tuple[int, int | None]] = []
+    """Per replace snapshot: (as_of, the one write it shows, or None)."""
+
+    def replacer_thread() -> None:
+        fc = faulty(rng_seeds["replace"])
+        r = random.Random(rng_seeds["replace"])
+        writer = fc.client.open_shard(shard_name + "-replaced").writer("replacer")
+        fc.enable()
+        upper = _retry(writer.fetch_upper, stop.is_set, hard_s=FINISH_TIMEOUT_S)
+        number = 0
+        while not stop.is_set():
+            number += 1
+            key = REPLACE_INDEX * KEY_PER_WRITER + number
+            data = pa.table({"v": write_values(key)}, schema=SCHEMA)
+            before = fc.consensus.indeterminate_cas()
+            landed: int | None = None
+            acked = False
+            while not stop.is_set():
+                rec.op("replace_attempts")
+                try:
+                    builder = writer.builder()
+                    builder.add(data)
+                    staged = builder.finish()
+                    res = writer.compare_and_append_batches(
+                        [staged], upper, upper + 1, token=number, ts_rewrite=upper, replace=True
+                    )
+                except (Determinate, Indeterminate) as e:
+                    rec.op("replace_errors_" + type(e).__name__)
+                    with contextlib.suppress(PersistError):
+                        upper = writer.fetch_upper()
+                    if r.random() < 0.15:
+                        break
+                    continue
+                if isinstance(res, UpperMismatch):
+                    upper = res.current
+                    continue
+                if isinstance(res, Committed):
+                    landed = upper
+                acked = True
+                upper = res.upper
+                break
+            replace_acks.append((key, landed, acked, fc.consensus.indeterminate_cas() > before))
+            rec.op("replaces_acked" if acked else "replaces_abandoned")
+
+    def replace_reader_thread() -> None:
+        fc = faulty(rng_seeds["replace-reader"], reader=True)
+        r = random.Random(rng_seeds["replace-reader"])
+        reader = fc.client.open_shard(shard_name + "-replaced").reader("replace-reader")
+        fc.enable()
+        while not stop.is_set():
+            try:
+                latest = reader.latest_as_of()
+                as_of = r.randint(min(reader.since, latest), latest)
+                table = reader.snapshot_table(as_of)
+            except PartNotFound as e:
+                rec.violation(f"replace-reader: leased snapshot failed: {e}")
+                continue
+            except (Determinate, Indeterminate, InvalidFrontier):
+                rec.op("replace_snapshot_errors")
+                continue
+            keys = snapshot_keys(table, "replace-reader", as_of, rec)
+            if len(keys) > 1:
+                rec.violation(
+                    f"replace-reader: snapshot as_of {as_of} mixes replaced writes {sorted(keys)}"
+                )
+            replace_seen.append((as_of, max(keys) if keys else None))
+            rec.op("replace_snapshots")
+            if r.random() < 0.3:
+                with contextlib.suppress(Determinate, Indeterminate):
+                    reader.downgrade_since(r.randint(reader.since, as_of))
+            time.sleep(r.uniform(0, 0.01))
+        with contextlib.suppress(PersistError):
+            reader.close()
+
+    def slow_writer_thread() -> None:
+        seed = rng_seeds["slow"]
+        config = dataclasses.replace(worker_config(random.Random(seed)), inline_write_max_bytes=1)
+        fc = FaultyClient(loc, seed, config, sabotage)  # every part in Blob, where sweeps reach
+        clients.append(fc)
+        out = write_loop(
+            fc,
+            shard_name,
+            SLOW_INDEX,
+            rng_seeds["slow"],
+            stop,
+            rec.op,
+            rec.violation,
+            sabotage=sabotage,
+            slow_stage_s=GRACE_S * 0.75,
+        )
+        with records_lock:
+            records.extend(out)
 
     rng_seeds = {
         name: rng.randrange(1 << 31)
@@ -904,6 +1157,9 @@ def _run(
             *(f"p{i}" for i in range(n_processes)),
             "listen",
             "maint",
+            "replace",
+            "replace-reader",
+            "slow",
         ]
     }
     threads = [
@@ -921,6 +1177,14 @@ def _run(
         for i in range(n_readers)
     ]
     threads.append(threading.Thread(target=guard("maintenance", maintenance_thread)))
+    threads += [
+        threading.Thread(target=guard(name, fn), name=f"check-{name}")
+        for name, fn in (
+            ("replacer", replacer_thread),
+            ("replace-reader", replace_reader_thread),
+            ("slow-writer", slow_writer_thread),
+        )
+    ]
     listener = threading.Thread(target=guard("listen", listen_thread), name="check-listen")
 
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -942,7 +1206,12 @@ def _run(
         p.start()
     for t in threads:
         t.start()
-    stop.wait(duration_s)
+    ends = time.monotonic() + duration_s
+    live = ("writes_acked", "writes_abandoned", "snapshots", "listen_events", "replace_snapshots")
+    while not stop.wait(max(0.0, min(1.0, ends - time.monotonic()))):
+        done = sum(report.ops[k] for k in live) + report.ops["replaces_acked"]
+        if time.monotonic() >= ends or (target_ops is not None and done >= target_ops):
+            break
     stop.set()
     proc_results: list[dict[str, Any]] = []
     for _ in procs:
@@ -1030,6 +1299,7 @@ def _run(
                 rec.violation(f"write {w.key} committed at {w.landed_at} but is at time {landed}")
     for key in sorted(final_keys - seen_keys)[:MAX_DETAILS]:
         rec.violation(f"write {key} appears but no writer attempted it")
+    _check_replaces(loc, shard_name + "-replaced", replace_acks, replace_seen, rec)
     if errors:
         rec.op("worker_crashes", len(errors))
 
@@ -1054,6 +1324,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.add_argument("--seed", type=int, default=None, help="replay this seed")
     parser.add_argument("--seconds", type=float, default=30.0, help="workload duration")
+    parser.add_argument(
+        "--ops",
+        type=int,
+        default=None,
+        help="end the workload once about this many operations are done (--seconds stays the cap)",
+    )
     parser.add_argument("--writers", type=int, default=4, help="writer threads")
     parser.add_argument("--processes", type=int, default=0, help="writer processes (spawned)")
     parser.add_argument("--readers", type=int, default=2, help="snapshot reader threads")
@@ -1118,6 +1394,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
         readers=ns.readers,
         sabotage=ns.sabotage,
         location=location,
+        target_ops=ns.ops,
     )
     if ns.json:
         import json

@@ -723,6 +723,7 @@ def gc(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
         "consensus_rows_deleted": report.consensus_rows_deleted,
         "orphans_deleted": report.orphans_deleted,
         "readers_expired": list(report.readers_expired),
+        "writers_expired": list(report.writers_expired),
         "seconds": round(time.monotonic() - started, 3),
     }
 
@@ -746,8 +747,8 @@ def format_gc(result: dict[str, Any]) -> str:
         f"shard {name!r}: gc up to SeqNo {result['seqno_since']} deleted "
         f"{result['parts_deleted']} part(s), {result['rollups_deleted']} rollup(s), "
         f"{result['consensus_rows_deleted']} consensus row(s), {result['orphans_deleted']} "
-        f"orphan(s); expired {len(result['readers_expired'])} reader(s); "
-        f"in {result['seconds']:.2f} s"
+        f"orphan(s); expired {len(result['readers_expired'])} reader(s), "
+        f"{len(result.get('writers_expired', []))} idle writer(s); in {result['seconds']:.2f} s"
     )
 
 
