@@ -25,6 +25,7 @@ show no row can match; Spark still applies every filter to the rows read.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,10 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import blob_for, client_for
+from pyspark_persist.state.client import PersistClient
 from pyspark_persist.state.commands import heartbeat_leased_reader
+from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import InvalidFrontier, LeaseExpired
 from pyspark_persist.state.parts import LeasedPart, consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
@@ -76,13 +80,35 @@ class BatchLease:
     lease_ms: int
 
 
+_lease_clients: dict[tuple[str, str], PersistClient] = {}
+_lease_clients_lock = threading.Lock()
+
+
+def lease_client(opts: PersistOptions) -> PersistClient:
+    """The client a task heartbeats through: one per location per process, reused by tasks.
+
+    Not :func:`client_for`'s: a task's heartbeat must not start compaction or
+    GC threads in an executor, nor subscribe it to PubSub.
+    """
+    key = (opts.blob, opts.consensus)
+    with _lease_clients_lock:
+        client = _lease_clients.get(key)
+        if client is None:
+            client = _lease_clients[key] = PersistClient(
+                blob_for(opts.blob),
+                open_consensus(opts.consensus),
+                config=PersistConfig(maintenance=False),
+            )
+        return client
+
+
 class _LeaseKeeper:
     """Heartbeats one batch read's lease from a task: at once, then every third of the lease."""
 
     def __init__(self, opts: PersistOptions, lease: BatchLease) -> None:
         self._opts = opts
         self._lease = lease
-        self._machine = client_for(opts).open_shard(opts.shard, create=False).machine
+        self._machine = lease_client(opts).open_shard(opts.shard, create=False).machine
         self._last_ms: int | None = None
 
     def beat(self) -> None:

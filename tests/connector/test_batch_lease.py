@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.datasource import InputPartition
 
+import pyspark_persist.batch_reader as batch_reader
 import pyspark_persist.source as source
 from pyspark_persist.batch_reader import PersistBatchReader, make_batch_reader
 from pyspark_persist.options import PersistOptions
@@ -40,8 +41,10 @@ class Job:
             config=PersistConfig(maintenance=False, compaction_fan_in=2),
             clock_ms=lambda: self.now_ms,
         )
-        # client_for() on the driver and in every task returns this client (same process).
-        monkeypatch.setitem(source._clients, (f"mem://{tag}", f"mem://{tag}", None), self.client)
+        # The planner's client and the tasks' lease client are this one (same process).
+        key = (f"mem://{tag}", f"mem://{tag}")
+        monkeypatch.setitem(source._clients, (*key, None), self.client)
+        monkeypatch.setitem(batch_reader._lease_clients, key, self.client)
         self.shard = self.client.open_shard("events", SCHEMA)
         self.writer = self.shard.writer("loader")
         for i in range(4):
