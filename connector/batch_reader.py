@@ -5,8 +5,16 @@ When no part holds a retraction (append-only data, and the common case after
 an overwrite, whose retractions cancel at planning), parts are spread over
 tasks by size and read as they are. When some do, one task reads them all and
 consolidates, so a retracted row never shows up; compaction keeps that set
-small. The snapshot's SeqNo stays leased for ``reader_lease_s`` (60 s) after
-planning: Spark reports nothing back when batch tasks finish.
+small.
+
+The snapshot's SeqNo is leased by a reader registered while planning, so GC
+keeps its parts. Spark reports nothing back when batch tasks finish, so the
+lease is held by the job's own work: every task heartbeats it when it starts
+and, while it reads, every third of the lease. It therefore lasts as long as
+the job runs, and runs out ``leaseSeconds`` (default ``reader_lease_s``, 60 s)
+after the last task stopped. Only a job whose tasks all wait longer than
+that (a queue on a busy cluster) needs a longer ``leaseSeconds``; its tasks
+then fail with LeaseExpired naming the option, never with a missing part.
 
 ``pushFilters`` (opt-in: Spark refuses a reader that implements it unless
 ``spark.sql.python.filterPushdown.enabled`` is true, so it is used only with
@@ -17,7 +25,9 @@ show no row can match; Spark still applies every filter to the rows read.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -36,8 +46,12 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import blob_for, client_for
-from pyspark_persist.state.errors import InvalidFrontier
-from pyspark_persist.state.parts import consolidate
+from pyspark_persist.state.client import PersistClient
+from pyspark_persist.state.commands import heartbeat_leased_reader
+from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.state.errors import InvalidFrontier, LeaseExpired
+from pyspark_persist.state.parts import LeasedPart, consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.stream_reader import PersistInputPartition, split_parts
@@ -45,8 +59,77 @@ from pyspark_persist.stream_reader import PersistInputPartition, split_parts
 log = logging.getLogger(__name__)
 
 
-class ConsolidatingPartition(PersistInputPartition):
+class BatchPartition(PersistInputPartition):
+    """A read task of a batch read, with the lease that holds its parts (see the module doc)."""
+
+    def __init__(self, blob_uri: str, parts: Sequence[LeasedPart], lease: BatchLease) -> None:
+        super().__init__(blob_uri, parts)
+        self.lease = lease
+
+
+class ConsolidatingPartition(BatchPartition):
     """A task that must consolidate its parts (some hold retractions)."""
+
+
+@dataclass(frozen=True)
+class BatchLease:
+    """The reader and SeqNo a batch read planned with, for its tasks to heartbeat."""
+
+    reader_id: str
+    seqno: int
+    lease_ms: int
+
+
+_lease_clients: dict[tuple[str, str], PersistClient] = {}
+_lease_clients_lock = threading.Lock()
+
+
+def lease_client(opts: PersistOptions) -> PersistClient:
+    """The client a task heartbeats through: one per location per process, reused by tasks.
+
+    Not :func:`client_for`'s: a task's heartbeat must not start compaction or
+    GC threads in an executor, nor subscribe it to PubSub.
+    """
+    key = (opts.blob, opts.consensus)
+    with _lease_clients_lock:
+        client = _lease_clients.get(key)
+        if client is None:
+            client = _lease_clients[key] = PersistClient(
+                blob_for(opts.blob),
+                open_consensus(opts.consensus),
+                config=PersistConfig(maintenance=False),
+            )
+        return client
+
+
+class _LeaseKeeper:
+    """Heartbeats one batch read's lease from a task: at once, then every third of the lease."""
+
+    def __init__(self, opts: PersistOptions, lease: BatchLease) -> None:
+        self._opts = opts
+        self._lease = lease
+        self._machine = lease_client(opts).open_shard(opts.shard, create=False).machine
+        self._last_ms: int | None = None
+
+    def beat(self) -> None:
+        """Extend the lease if a third of it passed since the last beat; LeaseExpired if gone."""
+        now = self._machine.clock_ms()
+        if self._last_ms is not None and now - self._last_ms < self._lease.lease_ms // 3:
+            return
+        lease = self._lease
+        held = self._machine.run(
+            lambda s: heartbeat_leased_reader(
+                s, reader_id=lease.reader_id, now_ms=now, seqno=lease.seqno
+            )
+        )
+        if held is None:
+            raise LeaseExpired(
+                f"persist: this batch read of shard {self._opts.shard!r} lost its lease on the "
+                f"parts it planned (reader {lease.reader_id}): no task of the job ran for "
+                f"{lease.lease_ms / 1000:g} s. Re-run the read, with a longer "
+                '.option("leaseSeconds", ...) if its tasks wait that long to start'
+            )
+        self._last_ms = now
 
 
 class PersistBatchReader(DataSourceReader):
@@ -63,7 +146,7 @@ class PersistBatchReader(DataSourceReader):
         shard = client.open_shard(self._opts.shard, create=False)
         # Not heartbeated: Spark tells a batch reader nothing when its tasks finish, so the
         # lease on what it planned simply runs out after reader_lease_s.
-        reader = ReadHandle(shard.machine, shard.schema)
+        reader = ReadHandle(shard.machine, shard.schema, lease_s=self._opts.lease_seconds)
         as_of = self._opts.as_of
         if as_of is None:
             as_of = reader.latest_as_of()
@@ -79,26 +162,34 @@ class PersistBatchReader(DataSourceReader):
         skipped = len(snap.parts) - len(parts)
         if skipped:
             log.debug("persist: pushed filters skipped %s of %s parts", skipped, len(snap.parts))
+        lease_s = self._opts.lease_seconds or shard.machine.config.reader_lease_s
+        lease = BatchLease(reader.reader_id, snap.seqno, int(lease_s * 1000))
         if any((p.part.effective_dmin or -1) <= 0 for p in parts):
-            return [ConsolidatingPartition(client.blob.uri, parts)] if parts else []
+            return [ConsolidatingPartition(client.blob.uri, parts, lease)] if parts else []
         splits = split_parts(parts, self._opts.split_size_bytes, self._opts.min_partitions)
-        return [PersistInputPartition(client.blob.uri, s) for s in splits]
+        return [BatchPartition(client.blob.uri, s, lease) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Stream one task's parts as Arrow batches (executor)."""
         from pyspark_persist.schema import output_arrow_schema
 
-        if not isinstance(partition, PersistInputPartition):
+        if not isinstance(partition, BatchPartition):
             return  # partitions() found nothing to read: Spark still runs one (None) task
         target = output_arrow_schema(self._schema)
+        keeper = _LeaseKeeper(self._opts, partition.lease)
+        keeper.beat()
         tables: Iterable[pa.Table] = iter_parts(
             blob_for(partition.blob_uri), partition.leased_parts()
         )
         if isinstance(partition, ConsolidatingPartition):
             row_columns = [n for n in target.names if n not in ("_time", "_diff")]
-            parts = list(tables)
+            parts = []
+            for table in tables:
+                keeper.beat()
+                parts.append(table)
             tables = [consolidate(pa.concat_tables(parts), row_columns)] if parts else []
         for table in tables:
+            keeper.beat()
             if table.num_rows:
                 yield from table.select(target.names).cast(target).to_batches()
 

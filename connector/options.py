@@ -49,6 +49,7 @@ MIN_PARTITIONS = "minpartitions"
 FAIL_ON_DATA_LOSS = "failondataloss"
 WRITER_ID = "writerid"
 TXN_VERSION = "txnversion"
+LEASE_SECONDS = "leaseseconds"
 PART_SIZE = "partsizebytes"
 CHECKPOINT = "checkpointlocation"
 FILTER_PUSHDOWN = "filterpushdown"
@@ -93,6 +94,7 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("minPartitions", MIN_PARTITIONS, _READS),
     OptionName("failOnDataLoss", FAIL_ON_DATA_LOSS, _STREAM_READ),
     OptionName("filterPushdown", FILTER_PUSHDOWN, _READ),
+    OptionName("leaseSeconds", LEASE_SECONDS, _READ),
     OptionName("writerId", WRITER_ID, _WRITES),
     OptionName("txnAppId", WRITER_ID, _BATCH_WRITE),  # Delta's name for writerId
     OptionName("txnVersion", TXN_VERSION, _BATCH_WRITE),  # Delta's name too
@@ -147,6 +149,7 @@ class PersistOptions:
     part_size_bytes: int | None = None
     checkpoint_location: str | None = None
     filter_pushdown: bool = False
+    lease_seconds: int | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str], purpose: Purpose) -> PersistOptions:
@@ -214,6 +217,7 @@ class PersistOptions:
             part_size_bytes=_size(opts, said, PART_SIZE),
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
+            lease_seconds=_int(opts, said, LEASE_SECONDS, minimum=1),
         )
 
 

@@ -317,8 +317,8 @@ class PersistBatchWriter(DataSourceArrowWriter):
         """Commit the whole job in one compare_and_append (driver); skip a done version."""
         metrics = commit_staged(self._opts, self._writer_id, self._token, messages, self._replace)
         if metrics.outcome != "committed":
-            # Nothing of this job is visible: its staged parts are garbage now.
-            abort_staged(self._opts, messages)
+            # Its staged parts stay for GC's orphan sweep: if this very commit landed and was
+            # compacted since, a reader may still hold them.
             log.info(
                 "persist batch write skipped: %s",
                 json.dumps(

@@ -253,7 +253,8 @@ class Shard:
         return self.state().since
 
     def writer(self, writer_id: str | None = None) -> WriteHandle:
-        """A writer; pass a stable ``writer_id`` to make commits idempotent across restarts."""
+        """A writer. Commits given ``token=`` are idempotent under ``writer_id`` across handles
+        and restarts; commits without one are not (see :class:`WriteHandle`)."""
         return WriteHandle(self.machine, self.schema, writer_id)
 
     @traced("Shard.reader", "name")

@@ -177,6 +177,7 @@ class ReadHandle:
         schema: pa.Schema,
         maintenance: Maintenance | None = None,
         reader_id: str | None = None,
+        lease_s: float | None = None,
     ) -> None:
         self._machine = machine
         self.schema = schema
@@ -184,7 +185,7 @@ class ReadHandle:
         self._leases: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
         self._expired = False
-        lease_ms = int(machine.config.reader_lease_s * 1000)
+        lease_ms = int((machine.config.reader_lease_s if lease_s is None else lease_s) * 1000)
         registered = machine.run(
             lambda s: commands.register_leased_reader(
                 s, reader_id=self.reader_id, now_ms=machine.clock_ms(), lease_ms=lease_ms
