@@ -12,7 +12,7 @@ Commands::
     persist shards gc NAME [--dry-run] [--json]          # GC now (with the orphan sweep)
     persist shards drop NAME [--yes] [--force] [--json]  # delete the shard
     persist pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K] [--token T]
-                         [--allow-remote]                # the PubSub server, in the foreground
+                         [--allow-remote] [--metrics-port N]  # the PubSub server, in the foreground
     persist bench core|maintenance|pubsub|spark-read|spark-write|load|all [flags]
     persist check [flags]                                # the consistency checker
 
