@@ -3,6 +3,7 @@
 Commands::
 
     persist --version
+    persist -v|-vv COMMAND ...                           # with logs on stderr (INFO, DEBUG)
     persist shards list [--json]                         # every shard, one line each
     persist shards inspect NAME [--json]                 # frontiers, SeqNos, batches, readers...
     persist inspect NAME [--json]                        # the same, shorter
@@ -953,11 +954,41 @@ def _as_of_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[...
     "maintain shards; serve PubSub; run the benchmarks and the consistency checker.",
 )
 @_location_options
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="print persist's logs on stderr as key=value lines: -v from INFO, -vv from DEBUG "
+    "(default: warnings only; also $PERSIST_LOG_LEVEL, and $PERSIST_LOG_FORMAT=json)",
+)
 @click.version_option(
     package_name="pyspark-persist", prog_name="persist", message="%(prog)s %(version)s"
 )
-def cli() -> None:
-    """The root: its location flags are remembered for the command (see :func:`_where`)."""
+def cli(verbose: int) -> None:
+    """The root: its location flags are remembered for the command (see :func:`_where`), and
+    logs are switched on when asked."""
+    level = ("INFO", "DEBUG")[min(verbose, 2) - 1] if verbose else os.environ.get(LOG_LEVEL_ENV)
+    if level:
+        _configure_logs(level)
+
+
+LOG_LEVEL_ENV = "PERSIST_LOG_LEVEL"
+"""Read here as well as by ``pyspark_persist.state.logs``, so that a run without it does not
+import the shard core before it needs to."""
+
+
+def _configure_logs(level: str) -> None:
+    """Persist's logs on stderr from ``level``; a bad level or format is bad usage (exit 2)."""
+    import warnings
+
+    with warnings.catch_warnings():  # the import's own check of the environment is repeated
+        warnings.simplefilter("ignore")
+        from pyspark_persist.state.errors import InvalidUsage
+        from pyspark_persist.state.logs import FORMAT_ENV, configure
+    try:
+        configure(level, os.environ.get(FORMAT_ENV, "kv").strip().lower() or "kv")
+    except InvalidUsage as e:
+        raise UsageError(str(e)) from None
 
 
 @cli.group(context_settings=CONTEXT, no_args_is_help=False)
