@@ -186,7 +186,10 @@ def read_tls_pair(cert_path: str | None, key_path: str | None) -> tuple[bytes | 
         with open(key_path, "rb") as f:
             key = f.read()
     except OSError as e:
-        raise InvalidUsage(f"cannot read the PubSub TLS certificate or key: {e}") from e
+        raise InvalidUsage(
+            f"cannot read the PubSub TLS certificate or key: {e.strerror}: {e.filename!r} "
+            "(--tls-cert and --tls-key name PEM files)"
+        ) from e
     return cert, key
 
 

@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -209,11 +211,13 @@ def _print_json(value: Any) -> None:
 
 @dataclass(frozen=True)
 class Location:
-    """Where a command works: ``--blob``, ``--consensus`` and ``--pubsub`` as given."""
+    """Where a command works: ``--blob``, ``--consensus`` and ``--pubsub`` as given, and how
+    long a store may stay unreachable before the command gives up (``--store-timeout``)."""
 
     blob: str | None = None
     consensus: str | None = None
     pubsub: str | None = None
+    store_timeout_s: float = 15.0
 
     def uris(self) -> tuple[str, str]:
         """The Blob and Consensus URIs, the embedded default for any not given."""
@@ -266,9 +270,8 @@ def open_client(where: Location) -> PersistClient:
     except BaseException:
         consensus.close()
         raise
-    return PersistClient(
-        blob, consensus, config=PersistConfig(maintenance=False), publisher=publisher
-    )
+    config = PersistConfig(maintenance=False, retry_timeout_s=where.store_timeout_s)
+    return PersistClient(blob, consensus, config=config, publisher=publisher)
 
 
 @contextlib.contextmanager
@@ -928,7 +931,37 @@ LOCATION_FLAGS = (
 def _where() -> Location:
     """The location of this command: its own flags, else those given before the command."""
     meta = click.get_current_context().meta
-    return Location(*(meta.get(f"persist.{name}") for name, _, _ in LOCATION_FLAGS))
+    return Location(
+        blob=meta.get("persist.blob"),
+        consensus=meta.get("persist.consensus"),
+        pubsub=meta.get("persist.pubsub"),
+        store_timeout_s=meta.get("persist.store_timeout", Location.store_timeout_s),
+    )
+
+
+def _bounded(f: Callable[..., int]) -> Callable[..., int]:
+    """Run a command that ends by itself within ``--store-timeout`` of store retries in all: a
+    store that stays unreachable fails it with one line (store, operation, wait, fix).
+
+    The store watchdog's own warnings (a store failing for 5 s, recovered, given up) would only
+    repeat that line, so they are kept for ``-v``: a command prints one error line, not three.
+    """
+
+    @functools.wraps(f)
+    def command(*args: Any, **kwargs: Any) -> int:
+        from pyspark_persist.state.retry import deadline_in
+
+        watchdog = logging.getLogger("pyspark_persist.state.retry")
+        level = watchdog.level
+        if not click.get_current_context().meta.get("persist.logs"):
+            watchdog.setLevel(logging.ERROR)
+        try:
+            with deadline_in(_where().store_timeout_s):
+                return f(*args, **kwargs)
+        finally:
+            watchdog.setLevel(level)
+
+    return command
 
 
 def _emit(result: dict[str, Any], as_json: bool, text: Callable[[dict[str, Any]], str]) -> int:
@@ -964,12 +997,24 @@ def _as_of_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[...
 @click.version_option(
     package_name="pyspark-persist", prog_name="persist", message="%(prog)s %(version)s"
 )
-def cli(verbose: int) -> None:
+@click.option(
+    "--store-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=Location.store_timeout_s,
+    show_default=True,
+    metavar="SECONDS",
+    help="how long the shards commands retry a Blob or Consensus store that cannot be reached "
+    "before failing",
+)
+def cli(verbose: int, store_timeout: float) -> None:
     """The root: its location flags are remembered for the command (see :func:`_where`), and
     logs are switched on when asked."""
+    meta = click.get_current_context().meta
+    meta["persist.store_timeout"] = store_timeout
     level = ("INFO", "DEBUG")[min(verbose, 2) - 1] if verbose else os.environ.get(LOG_LEVEL_ENV)
     if level:
         _configure_logs(level)
+        meta["persist.logs"] = True
 
 
 LOG_LEVEL_ENV = "PERSIST_LOG_LEVEL"
@@ -999,6 +1044,7 @@ def shards() -> None:
 @shards.command("list")
 @_location_options
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_list(as_json: bool) -> int:
     """List every shard with its frontiers, size, readers and writers."""
     return _emit(list_shards(_where()), as_json, format_list)
@@ -1009,6 +1055,7 @@ def _inspect_command(name: str, help_text: str, short_help: str) -> click.Comman
     @_location_options
     @click.argument("name", metavar="NAME")
     @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+    @_bounded
     def command(name: str, as_json: bool) -> int:
         where = _where()
         with _shard(where, name) as (client, shard):
@@ -1046,6 +1093,7 @@ cli.add_command(
     help="rows to print",
 )
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_show(name: str, as_of: int | None, limit: int, as_json: bool) -> int:
     """Print a shard's contents as of a time, consolidated: each distinct (row, time) with its
     non-zero diff."""
@@ -1076,6 +1124,7 @@ def shards_tail(name: str, as_of: int | None, as_json: bool) -> int:
 @click.argument("name", metavar="NAME")
 @click.option("--dry-run", is_flag=True, help="show the merges it would run; change nothing")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_compact(name: str, dry_run: bool, as_json: bool) -> int:
     """Run compaction now, until the policy asks for nothing more."""
     result = compact(_where(), name, dry_run=dry_run)
@@ -1087,6 +1136,7 @@ def shards_compact(name: str, dry_run: bool, as_json: bool) -> int:
 @click.argument("name", metavar="NAME")
 @click.option("--dry-run", is_flag=True, help="show what it would delete; change nothing")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_gc(name: str, dry_run: bool, as_json: bool) -> int:
     """Run garbage collection now: expire stale readers, delete garbage, truncate Consensus,
     sweep orphans."""
