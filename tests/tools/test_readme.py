@@ -5,7 +5,9 @@ would paste them: ``bash``/``shell`` blocks with ``bash -euo pipefail``, ``conso
 one ``$ `` command at a time, ``python`` blocks with this interpreter, all in one fresh
 working directory under a fresh ``HOME`` (so the embedded default is
 ``~/.pyspark-persist`` there). A ``python`` block that uses ``spark.`` runs in the run's
-shared SparkSession instead, with ``df`` a small DataFrame, as the Spark section assumes.
+shared SparkSession instead, with ``df`` a small DataFrame, as the Spark section assumes; its
+one absolute path, a checkpoint under ``/tmp/ck``, moves into the test's temporary directory,
+so that two runs on one machine never share a checkpoint.
 
 A block that cannot run here (it needs a cluster, S3 credentials, a Connect server, runs a
 server until interrupted, or is the install command itself) says so just before it, where a
@@ -155,14 +157,15 @@ def test_snippets_run_as_written(tmp_path: Path) -> None:
 
 
 @pytest.mark.spark
-def test_spark_snippets_run_as_written(spark: SparkSession) -> None:
+def test_spark_snippets_run_as_written(spark: SparkSession, tmp_path: Path) -> None:
     for block in BLOCKS:
         if not block.uses_spark or block.not_run is not None:
             continue
         before = {q.id for q in spark.streams.active}
         df = spark.createDataFrame([(1, "a"), (2, "b")], "id long, name string")
         try:
-            exec(compile(block.code, describe(block), "exec"), {"spark": spark, "df": df})
+            code = block.code.replace('"/tmp/ck/', f'"{tmp_path}/ck/')
+            exec(compile(code, describe(block), "exec"), {"spark": spark, "df": df})
             started = [q for q in spark.streams.active if q.id not in before]
             for query in started:  # each stream it started makes progress
                 deadline = time.monotonic() + SNIPPET_TIMEOUT_S
