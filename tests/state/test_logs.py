@@ -107,3 +107,20 @@ def test_values_are_quoted_only_when_they_must_be() -> None:
 def test_configure_names_the_valid_levels() -> None:
     with pytest.raises(InvalidUsage, match="DEBUG, INFO, WARNING, ERROR"):
         configure("chatty")
+
+
+def test_every_logger_is_under_pyspark_persist() -> None:
+    """Each module logs to ``logging.getLogger(__name__)``: one tree, one parent per layer."""
+    repo = Path(__file__).resolve().parents[2]
+    call = re.compile(r"logging\.getLogger\(([^)]*)\)")
+    # state/logs.py configures the root of the tree (LOGGER); the CLI quiets the store
+    # watchdog's logger; a benchmark quiets moto's web server (werkzeug).
+    allowed = {"__name__", "LOGGER", '"pyspark_persist.state.retry"', '"werkzeug"'}
+    odd = [
+        f"{path.relative_to(repo)}: getLogger({arg})"
+        for layer in ("state", "pubsub", "connector", "tools")
+        for path in sorted((repo / layer).rglob("*.py"))
+        for arg in call.findall(path.read_text())
+        if arg not in allowed and not arg.startswith('"pyspark_persist')
+    ]
+    assert odd == []
