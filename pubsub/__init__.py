@@ -186,7 +186,10 @@ def read_tls_pair(cert_path: str | None, key_path: str | None) -> tuple[bytes | 
         with open(key_path, "rb") as f:
             key = f.read()
     except OSError as e:
-        raise InvalidUsage(f"cannot read the PubSub TLS certificate or key: {e}") from e
+        raise InvalidUsage(
+            f"cannot read the PubSub TLS certificate or key: {e.strerror}: {e.filename!r} "
+            "(--tls-cert and --tls-key name PEM files)"
+        ) from e
     return cert, key
 
 
@@ -198,12 +201,16 @@ def serve(
     tls_key: str | None = None,
     token: str | None = None,
     allow_remote: bool = False,
+    metrics_host: str = "127.0.0.1",
+    metrics_port: int | None = None,
 ) -> int:
     """Run the PubSub server in the foreground until interrupted (``persist pubsub serve``).
 
     ``tls_cert``/``tls_key``: PEM file paths (default ``$PERSIST_PUBSUB_TLS_CERT`` /
     ``$PERSIST_PUBSUB_TLS_KEY``); ``token``: required from every client (default
-    ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``.
+    ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``;
+    ``metrics_port``: serve Prometheus metrics on ``metrics_host`` (loopback unless
+    ``allow_remote``) at that port.
     """
     from .server import serve as _serve
 
@@ -214,6 +221,8 @@ def serve(
         tls_key=tls_key or _env(TLS_KEY_ENV),
         token=token if token is not None else _env(TOKEN_ENV),
         allow_remote=allow_remote,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
     )
 
 

@@ -1,5 +1,5 @@
 """``python -m pyspark_persist.pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K]
-[--token T] [--allow-remote]``: the PubSub server.
+[--token T] [--allow-remote] [--metrics-port N [--metrics-host H]]``: the PubSub server.
 
 The same as ``persist pubsub serve``, for environments without the console script.
 """
@@ -37,6 +37,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow binding a non-loopback address (use TLS and a token)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: any free port)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=DEFAULT_HOST,
+        help=f"address of the metrics endpoint (default {DEFAULT_HOST}; another needs "
+        "--allow-remote)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,6 +72,8 @@ def serve_parsed(ns: argparse.Namespace) -> int:
         tls_key=ns.tls_key,
         token=ns.token,
         allow_remote=ns.allow_remote,
+        metrics_host=ns.metrics_host,
+        metrics_port=ns.metrics_port,
     )
 
 

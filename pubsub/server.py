@@ -152,6 +152,16 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
     def __init__(self, server: PubSubServer) -> None:
         self._server = server
         self._subs: dict[str, set[_Conn]] = {}
+        self.conns: set[_Conn] = set()
+        """Every open stream (their queues are the server's ``queued_bytes``)."""
+
+    def queued_bytes(self) -> int:
+        """Bytes of diffs waiting in every stream's queue now (callable from any thread)."""
+        return sum(conn.queued_bytes for conn in list(self.conns))
+
+    def topics(self) -> int:
+        """Topics with at least one subscriber now."""
+        return len(self._subs)
 
     async def PubSub(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProtoPubSubMessage], context: Any
@@ -166,7 +176,9 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
             )
             return
         conn = _Conn(str(context.peer()))
+        self.conns.add(conn)
         self._server.counters["connections"] += 1
+        self._server.counters["connections_total"] += 1
         reader = asyncio.ensure_future(self._read(request_iterator, conn))
         try:
             while True:
@@ -183,6 +195,7 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
                     if not subs:
                         del self._subs[topic]
             conn.topics.clear()
+            self.conns.discard(conn)
             self._server.counters["connections"] -= 1
             self._server.connection_ended()
         if conn.error is not None:
@@ -217,12 +230,14 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
                 return f"push_diff: {problem}"
             if push.seqno < 1:
                 return "push_diff: seqno must be at least 1"
-            counters["diffs_received"] += 1
             size = len(push.diff)
+            counters["diffs_received"] += 1
+            counters["bytes_received"] += size
             for other in self._subs.get(push.shard_id, ()):
                 if other is not conn:
                     if other.offer(msg, size):
                         counters["diffs_forwarded"] += 1
+                        counters["bytes_forwarded"] += size
                     else:
                         counters["slow_subscribers_dropped"] += 1
             return None
@@ -285,11 +300,15 @@ class PubSubServer:
         self.counters: dict[str, int] = {
             "rejected": 0,
             "connections": 0,
+            "connections_total": 0,
             "diffs_received": 0,
+            "bytes_received": 0,
             "diffs_forwarded": 0,
+            "bytes_forwarded": 0,
             "slow_subscribers_dropped": 0,
             "invalid": 0,
         }
+        self._servicer: _Servicer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -307,6 +326,16 @@ class PubSubServer:
                 got = value.encode() if isinstance(value, str) else bytes(value)
                 return hmac.compare_digest(got, self._token)
         return False
+
+    def metrics(self) -> dict[str, int]:
+        """The counters, plus the ``queued_bytes`` and ``topics`` gauges, read now (from any
+        thread: what ``persist pubsub serve --metrics-port`` serves)."""
+        servicer = self._servicer
+        return {
+            **self.counters,
+            "queued_bytes": servicer.queued_bytes() if servicer is not None else 0,
+            "topics": servicer.topics() if servicer is not None else 0,
+        }
 
     def connection_ended(self) -> None:
         """Hand memory freed by an ended connection back to the OS (once nothing is queued)."""
@@ -361,7 +390,8 @@ class PubSubServer:
     async def _main(self) -> None:
         self._stopping = asyncio.Event()
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_ProtoPersistPubSubServicer_to_server(_Servicer(self), server)
+        self._servicer = _Servicer(self)
+        pb_grpc.add_ProtoPersistPubSubServicer_to_server(self._servicer, server)
         try:
             address = f"{self.host}:{self.port}"
             if self._tls is None:
@@ -424,17 +454,34 @@ def serve(
     tls_key: str | None = None,
     token: str | None = None,
     allow_remote: bool = False,
+    metrics_host: str = DEFAULT_HOST,
+    metrics_port: int | None = None,
 ) -> int:
     """Run a PubSub server in the foreground until SIGINT/SIGTERM (the ``persist pubsub serve``
-    command); ``tls_cert``/``tls_key`` are PEM file paths. Returns the exit status."""
+    command); ``tls_cert``/``tls_key`` are PEM file paths; with ``metrics_port`` (0: any free
+    port), its Prometheus metrics are served on ``http://metrics_host:port/metrics``. Returns
+    the exit status."""
     from . import read_tls_pair
+    from .prometheus import MetricsEndpoint
 
     cert, key = read_tls_pair(tls_cert, tls_key)
     server = PubSubServer(
         host, port, tls_cert=cert, tls_key=key, token=token, allow_remote=allow_remote
-    ).start()
+    )
+    endpoint = None
+    if metrics_port is not None:  # checked (loopback) before the server binds
+        endpoint = MetricsEndpoint(server, metrics_host, metrics_port, allow_remote=allow_remote)
+    server.start()
+    if endpoint is not None:
+        try:
+            endpoint.start()
+        except OSError:
+            server.stop()
+            raise
     extras = (" with TLS" if cert else "") + (" requiring a token" if token else "")
     print(f"persist pubsub: serving on {server.address}{extras} (Ctrl-C to stop)", flush=True)
+    if endpoint is not None:
+        print(f"persist pubsub: metrics on {endpoint.url}", flush=True)
     done = threading.Event()
 
     def _stop(*_: object) -> None:
@@ -449,6 +496,8 @@ def serve(
             if server._thread is not None and not server._thread.is_alive():
                 break
     finally:
+        if endpoint is not None:
+            endpoint.stop()
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -71,6 +71,7 @@ from .client import (
 )
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
+from .logs import configure_from_environment
 from .parts import DIFF, TIME, LeasedPart
 from .read import Listen, ListenEvent, ReadHandle, Snapshot, iter_parts
 from .write import BatchBuilder, StagedBatch, WriteHandle
@@ -98,3 +99,6 @@ __all__ = [
     "default_home",
     "iter_parts",
 ]
+
+# $PERSIST_LOG_LEVEL asks for persist's logs on stderr (state/logs.py); unset, nothing changes.
+configure_from_environment()

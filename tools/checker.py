@@ -72,7 +72,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import logging
 import multiprocessing
 import os
 import queue
@@ -114,6 +113,7 @@ from pyspark_persist.state.errors import (
     PartNotFound,
     PersistError,
 )
+from pyspark_persist.state.logs import configure as configure_logs
 from pyspark_persist.state.parts import TIME
 from pyspark_persist.state.registry import blob_kind, consensus_kind
 from pyspark_persist.state.unreliable import (
@@ -1353,7 +1353,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level",
         default="ERROR",
-        help="persist's own logging (it logs every retried fault at INFO)",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        type=str.upper,
+        help="persist's own logging, as key=value lines on stderr (it logs every retried "
+        "fault at INFO)",
     )
 
 
@@ -1384,7 +1387,7 @@ def given_location(ns: argparse.Namespace) -> Location | None:
 def run_from_args(ns: argparse.Namespace) -> int:
     """Run the checker with parsed flags; exit status 1 on any violation."""
     location = given_location(ns)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logs(ns.log_level)  # persist's records only, as key=value lines (state/logs.py)
     report = run(
         ns.seed,
         ns.seconds,

@@ -3,6 +3,7 @@
 Commands::
 
     persist --version
+    persist -v|-vv COMMAND ...                           # with logs on stderr (INFO, DEBUG)
     persist shards list [--json]                         # every shard, one line each
     persist shards inspect NAME [--json]                 # frontiers, SeqNos, batches, readers...
     persist inspect NAME [--json]                        # the same, shorter
@@ -12,7 +13,7 @@ Commands::
     persist shards gc NAME [--dry-run] [--json]          # GC now (with the orphan sweep)
     persist shards drop NAME [--yes] [--force] [--json]  # delete the shard
     persist pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K] [--token T]
-                         [--allow-remote]                # the PubSub server, in the foreground
+                         [--allow-remote] [--metrics-port N]  # the PubSub server, in the foreground
     persist bench core|maintenance|pubsub|spark-read|spark-write|load|all [flags]
     persist check [flags]                                # the consistency checker
 
@@ -40,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -208,11 +211,13 @@ def _print_json(value: Any) -> None:
 
 @dataclass(frozen=True)
 class Location:
-    """Where a command works: ``--blob``, ``--consensus`` and ``--pubsub`` as given."""
+    """Where a command works: ``--blob``, ``--consensus`` and ``--pubsub`` as given, and how
+    long a store may stay unreachable before the command gives up (``--store-timeout``)."""
 
     blob: str | None = None
     consensus: str | None = None
     pubsub: str | None = None
+    store_timeout_s: float = 15.0
 
     def uris(self) -> tuple[str, str]:
         """The Blob and Consensus URIs, the embedded default for any not given."""
@@ -265,9 +270,8 @@ def open_client(where: Location) -> PersistClient:
     except BaseException:
         consensus.close()
         raise
-    return PersistClient(
-        blob, consensus, config=PersistConfig(maintenance=False), publisher=publisher
-    )
+    config = PersistConfig(maintenance=False, retry_timeout_s=where.store_timeout_s)
+    return PersistClient(blob, consensus, config=config, publisher=publisher)
 
 
 @contextlib.contextmanager
@@ -928,7 +932,37 @@ LOCATION_FLAGS = (
 def _where() -> Location:
     """The location of this command: its own flags, else those given before the command."""
     meta = click.get_current_context().meta
-    return Location(*(meta.get(f"persist.{name}") for name, _, _ in LOCATION_FLAGS))
+    return Location(
+        blob=meta.get("persist.blob"),
+        consensus=meta.get("persist.consensus"),
+        pubsub=meta.get("persist.pubsub"),
+        store_timeout_s=meta.get("persist.store_timeout", Location.store_timeout_s),
+    )
+
+
+def _bounded(f: Callable[..., int]) -> Callable[..., int]:
+    """Run a command that ends by itself within ``--store-timeout`` of store retries in all: a
+    store that stays unreachable fails it with one line (store, operation, wait, fix).
+
+    The store watchdog's own warnings (a store failing for 5 s, recovered, given up) would only
+    repeat that line, so they are kept for ``-v``: a command prints one error line, not three.
+    """
+
+    @functools.wraps(f)
+    def command(*args: Any, **kwargs: Any) -> int:
+        from pyspark_persist.state.retry import deadline_in
+
+        watchdog = logging.getLogger("pyspark_persist.state.retry")
+        level = watchdog.level
+        if not click.get_current_context().meta.get("persist.logs"):
+            watchdog.setLevel(logging.ERROR)
+        try:
+            with deadline_in(_where().store_timeout_s):
+                return f(*args, **kwargs)
+        finally:
+            watchdog.setLevel(level)
+
+    return command
 
 
 def _emit(result: dict[str, Any], as_json: bool, text: Callable[[dict[str, Any]], str]) -> int:
@@ -954,11 +988,53 @@ def _as_of_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[...
     "maintain shards; serve PubSub; run the benchmarks and the consistency checker.",
 )
 @_location_options
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="print persist's logs on stderr as key=value lines: -v from INFO, -vv from DEBUG "
+    "(default: warnings only; also $PERSIST_LOG_LEVEL, and $PERSIST_LOG_FORMAT=json)",
+)
 @click.version_option(
     package_name="pyspark-persist", prog_name="persist", message="%(prog)s %(version)s"
 )
-def cli() -> None:
-    """The root: its location flags are remembered for the command (see :func:`_where`)."""
+@click.option(
+    "--store-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=Location.store_timeout_s,
+    show_default=True,
+    metavar="SECONDS",
+    help="how long the shards commands retry a Blob or Consensus store that cannot be reached "
+    "before failing",
+)
+def cli(verbose: int, store_timeout: float) -> None:
+    """The root: its location flags are remembered for the command (see :func:`_where`), and
+    logs are switched on when asked."""
+    meta = click.get_current_context().meta
+    meta["persist.store_timeout"] = store_timeout
+    level = ("INFO", "DEBUG")[min(verbose, 2) - 1] if verbose else os.environ.get(LOG_LEVEL_ENV)
+    if level:
+        _configure_logs(level)
+        meta["persist.logs"] = True
+
+
+LOG_LEVEL_ENV = "PERSIST_LOG_LEVEL"
+"""Read here as well as by ``pyspark_persist.state.logs``, so that a run without it does not
+import the shard core before it needs to."""
+
+
+def _configure_logs(level: str) -> None:
+    """Persist's logs on stderr from ``level``; a bad level or format is bad usage (exit 2)."""
+    import warnings
+
+    with warnings.catch_warnings():  # the import's own check of the environment is repeated
+        warnings.simplefilter("ignore")
+        from pyspark_persist.state.errors import InvalidUsage
+        from pyspark_persist.state.logs import FORMAT_ENV, configure
+    try:
+        configure(level, os.environ.get(FORMAT_ENV, "kv").strip().lower() or "kv")
+    except InvalidUsage as e:
+        raise UsageError(str(e)) from None
 
 
 @cli.group(context_settings=CONTEXT, no_args_is_help=False)
@@ -969,6 +1045,7 @@ def shards() -> None:
 @shards.command("list")
 @_location_options
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_list(as_json: bool) -> int:
     """List every shard with its frontiers, size, readers and writers."""
     return _emit(list_shards(_where()), as_json, format_list)
@@ -979,6 +1056,7 @@ def _inspect_command(name: str, help_text: str, short_help: str) -> click.Comman
     @_location_options
     @click.argument("name", metavar="NAME")
     @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+    @_bounded
     def command(name: str, as_json: bool) -> int:
         where = _where()
         with _shard(where, name) as (client, shard):
@@ -1016,6 +1094,7 @@ cli.add_command(
     help="rows to print",
 )
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_show(name: str, as_of: int | None, limit: int, as_json: bool) -> int:
     """Print a shard's contents as of a time, consolidated: each distinct (row, time) with its
     non-zero diff."""
@@ -1046,6 +1125,7 @@ def shards_tail(name: str, as_of: int | None, as_json: bool) -> int:
 @click.argument("name", metavar="NAME")
 @click.option("--dry-run", is_flag=True, help="show the merges it would run; change nothing")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_compact(name: str, dry_run: bool, as_json: bool) -> int:
     """Run compaction now, until the policy asks for nothing more."""
     result = compact(_where(), name, dry_run=dry_run)
@@ -1057,6 +1137,7 @@ def shards_compact(name: str, dry_run: bool, as_json: bool) -> int:
 @click.argument("name", metavar="NAME")
 @click.option("--dry-run", is_flag=True, help="show what it would delete; change nothing")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
 def shards_gc(name: str, dry_run: bool, as_json: bool) -> int:
     """Run garbage collection now: expire stale readers, delete garbage, truncate Consensus,
     sweep orphans."""

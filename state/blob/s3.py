@@ -64,6 +64,7 @@ from botocore.exceptions import (
     ClientError,
     HTTPClientError,
     IncompleteReadError,
+    NoCredentialsError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import Loader, create_loader
@@ -237,7 +238,7 @@ class S3Blob(Blob):
             detail = f"{code} (HTTP {status}): {err.get('Message', '')}"
             unknown = may_have_happened and status >= 500
         else:
-            detail = f"{type(e).__name__}: {e}"
+            detail = f"{type(e).__name__}: {e}{_fix(e)}"
             unknown = (
                 may_have_happened
                 and isinstance(e, HTTPClientError)
@@ -481,6 +482,18 @@ class _DeleteErrors(Exception):
             f"{first.get('Code')}: {first.get('Message', '')}"
         )
         self.codes = {e.get("Code", "") for e in errors}
+
+
+def _fix(e: Exception) -> str:
+    """What to do about a failure S3 never answered (the end of the error's one line)."""
+    if isinstance(e, NoCredentialsError):
+        return (
+            "; give this process S3 credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "a profile, or an instance role (Spark executors: spark.executorEnv.*)"
+        )
+    if isinstance(e, BotoConnectionError):
+        return "; is the S3 endpoint up and reachable? check endpoint_url and region in the URI"
+    return ""
 
 
 def _transient(e: Exception) -> bool:

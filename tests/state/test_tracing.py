@@ -7,7 +7,11 @@ SDK nothing is recorded. Logs stay quiet at INFO on the normal path.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +116,7 @@ def test_api_and_store_writes_are_spans_with_only_the_shard(
         assert expected in names, (expected, sorted(names))
     for s in spans:  # persist's policy: a shard attribute and no other
         assert dict(s.attributes or {}) == {"shard": "traced"}, (s.name, s.attributes)
+        assert s.instrumentation_scope is not None
         assert s.instrumentation_scope.name == "pyspark_persist"
     # Store writes nest under the API call that made them.
     by_id = {s.context.span_id: s for s in spans}
@@ -150,12 +155,70 @@ def test_spans_name_the_shard_of_each_call(exporter: InMemorySpanExporter) -> No
 def test_off_without_an_sdk() -> None:
     from opentelemetry import trace
 
-    if getattr(trace, "_TRACER_PROVIDER", None) is not None:
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         pytest.skip("another test installed a global tracer provider")
     assert tracing.current_tracer() is None
     client = mem_client()
     client.open_shard("quiet", SCHEMA).writer().append(rows(0, 1))
     client.close()
+
+
+GLOBAL_PROVIDER_CHILD = """
+import json, sys
+import pyarrow as pa
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pyspark_persist.state import PersistClient
+
+client = PersistClient.open(f"file://{sys.argv[1]}/blob", f"sqlite:///{sys.argv[1]}/c.db")
+shard = client.open_shard("before", pa.schema([("id", pa.int64())]))
+shard.writer().append(pa.table({"id": [0]}))  # no provider yet: nothing is recorded
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)  # the application's global provider, set once
+
+shard = client.open_shard("orders", pa.schema([("id", pa.int64())]))
+shard.writer().append(pa.table({"id": [1, 2]}))
+reader = shard.reader()
+assert reader.snapshot_table().num_rows == 2
+reader.close()
+client.close()
+print(json.dumps([[s.name, dict(s.attributes or {}), s.instrumentation_scope.name]
+                  for s in exporter.get_finished_spans()]))
+"""
+
+
+def test_spans_of_a_write_and_a_read_reach_the_global_provider(tmp_path: Path) -> None:
+    """The application's way: ``trace.set_tracer_provider`` (public API), here after persist
+    already ran untraced, in a fresh interpreter since the global provider is set once."""
+    done = subprocess.run(
+        [sys.executable, "-c", GLOBAL_PROVIDER_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    spans = json.loads(done.stdout)
+    names = [name for name, _, _ in spans]
+    for expected in (
+        "PersistClient.open_shard",
+        "WriteHandle.append",
+        "WriteHandle.compare_and_append_batches",
+        "Consensus.compare_and_set",
+        "Shard.reader",
+        "ReadHandle.snapshot_table",
+        "ReadHandle.snapshot",
+        "ReadHandle.fetch",
+        "ReadHandle.close",
+    ):
+        assert expected in names, (expected, names)
+    assert {(str(attrs), scope) for _, attrs, scope in spans} == {
+        (str({"shard": "orders"}), "pyspark_persist")
+    }, "only the shard written after the provider was set, and only its name"
 
 
 def test_no_logs_at_info_on_the_normal_path(
@@ -176,3 +239,16 @@ def test_no_logs_at_info_on_the_normal_path(
         if r.levelno >= logging.INFO and r.name.startswith("pyspark_persist")
     ]
     assert loud == []
+
+
+def test_only_the_public_opentelemetry_api_is_used() -> None:
+    """No ``_private`` name of opentelemetry is read: they change between releases."""
+    repo = Path(__file__).resolve().parents[2]
+    private = re.compile(r"\b(?:otel|trace|opentelemetry(?:\.\w+)*)\._\w+")
+    used = [
+        f"{path.relative_to(repo)}: {m.group(0)}"
+        for layer in ("state", "pubsub", "connector", "tools")
+        for path in sorted((repo / layer).rglob("*.py"))
+        for m in private.finditer(path.read_text())
+    ]
+    assert used == []

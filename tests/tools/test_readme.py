@@ -1,0 +1,179 @@
+"""Every snippet in the README runs as written, so the documentation cannot drift from the code.
+
+The README's fenced blocks are extracted and run, in the README's order, the way a reader
+would paste them: ``bash``/``shell`` blocks with ``bash -euo pipefail``, ``console`` blocks
+one ``$ `` command at a time, ``python`` blocks with this interpreter, all in one fresh
+working directory under a fresh ``HOME`` (so the embedded default is
+``~/.pyspark-persist`` there). A ``python`` block that uses ``spark.`` runs in the run's
+shared SparkSession instead, with ``df`` a small DataFrame, as the Spark section assumes; its
+one absolute path, a checkpoint under ``/tmp/ck``, moves into the test's temporary directory,
+so that two runs on one machine never share a checkpoint.
+
+A block that cannot run here (it needs a cluster, S3 credentials, a Connect server, runs a
+server until interrupted, or is the install command itself) says so just before it, where a
+reader sees it in the source: ``<!-- not run: REASON -->``. Output and synopses are
+``text`` blocks, never run. Anything else is a failure of this test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+RUNNABLE = {"python", "bash", "shell", "console"}
+NOT_RUN = re.compile(r"^\s*<!--\s*not run\b:?(?P<reason>.*?)-->\s*$")
+FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
+SNIPPET_TIMEOUT_S = 120
+"""A snippet that takes longer has hung (the old Python API example's endless listen loop)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of the README."""
+
+    line: int
+    """1-based line of its opening fence."""
+    lang: str
+    code: str
+    not_run: str | None
+    """The reason given by a ``<!-- not run: ... -->`` marker just before it (``""``: a marker
+    without a reason), or ``None`` when it is unmarked."""
+
+    @property
+    def uses_spark(self) -> bool:
+        """A Python snippet that needs the SparkSession ``spark``."""
+        return self.lang == "python" and "spark." in self.code
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced blocks of ``text`` (nested in a list item or not), with their markers."""
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        indent = len(opening["indent"])
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        code = "\n".join(line[indent:] for line in lines[i + 1 : end]) + "\n"
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        marker = NOT_RUN.match(before)
+        reason = None if marker is None else marker["reason"].strip()
+        blocks.append(Block(i + 1, opening["lang"], code, reason))
+        i = end + 1
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text())
+
+
+def describe(block: Block) -> str:
+    first = block.code.strip().splitlines()[0] if block.code.strip() else ""
+    return f"README.md:{block.line} ({block.lang}: {first[:60]})"
+
+
+def test_every_block_is_run_or_says_why() -> None:
+    problems = []
+    for block in BLOCKS:
+        if block.lang not in RUNNABLE | {"text"}:
+            problems.append(f"{describe(block)}: tag it python, bash, console or text")
+        elif block.lang == "text" and block.not_run is not None:
+            problems.append(f"{describe(block)}: a text block is never run; drop the marker")
+        elif block.not_run == "":
+            problems.append(f"{describe(block)}: say why it is not run (<!-- not run: ... -->)")
+    assert problems == []
+    run = [b for b in BLOCKS if b.lang in RUNNABLE and b.not_run is None]
+    # The examples a new user pastes first must be among those run.
+    assert any("reader.listen(" in b.code for b in run)
+    assert any(b.uses_spark for b in run)
+    assert any(b.lang in {"bash", "console"} for b in run)
+
+
+def test_parser_sees_markers_and_nested_blocks() -> None:
+    text = (
+        "intro\n\n<!-- not run: needs a cluster -->\n```bash\nspark-submit job.py\n```\n"
+        "- item:\n\n  ```python\n  print(1)\n  ```\n<!-- not run -->\n```console\n$ x\n```\n"
+    )
+    assert readme_blocks(text) == [
+        Block(4, "bash", "spark-submit job.py\n", "needs a cluster"),
+        Block(9, "python", "print(1)\n", None),
+        Block(13, "console", "$ x\n", ""),
+    ]
+
+
+def console_commands(code: str) -> str:
+    """The commands of a console block: its ``$ `` lines (the rest is their output)."""
+    return "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ ")) + "\n"
+
+
+def run_block(block: Block, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    if block.lang == "python":
+        argv = [sys.executable, "-c", block.code]
+    else:
+        code = console_commands(block.code) if block.lang == "console" else block.code
+        argv = ["bash", "-euo", "pipefail", "-c", code]
+    return subprocess.run(
+        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S
+    )
+
+
+def test_snippets_run_as_written(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    work = tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+    # `persist` is the console script installed beside this interpreter.
+    bindir = str(Path(sys.executable).parent)
+    env.update(HOME=str(home), PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
+    outputs: dict[int, str] = {}
+    for block in BLOCKS:
+        if block.lang not in RUNNABLE or block.not_run is not None or block.uses_spark:
+            continue
+        done = run_block(block, work, env)
+        assert done.returncode == 0, f"{describe(block)} failed:\n{done.stdout}\n{done.stderr}"
+        outputs[block.line] = done.stdout
+    # The Python API example prints what its comments say.
+    api = next(b for b in BLOCKS if "reader.listen(" in b.code)
+    printed = outputs[api.line].splitlines()
+    assert printed[0].startswith("[{'id': 2, 'name': 'b', '_time': ")
+    assert printed[0].endswith("'_diff': 1}]")
+    assert printed[1] == "3"
+    assert printed[2].startswith("[{'id': 3, 'name': 'c', '_time': ")
+
+
+@pytest.mark.spark
+def test_spark_snippets_run_as_written(spark: SparkSession, tmp_path: Path) -> None:
+    for block in BLOCKS:
+        if not block.uses_spark or block.not_run is not None:
+            continue
+        before = {q.id for q in spark.streams.active}
+        df = spark.createDataFrame([(1, "a"), (2, "b")], "id long, name string")
+        try:
+            code = block.code.replace('"/tmp/ck/', f'"{tmp_path}/ck/')
+            exec(compile(code, describe(block), "exec"), {"spark": spark, "df": df})
+            started = [q for q in spark.streams.active if q.id not in before]
+            for query in started:  # each stream it started makes progress
+                deadline = time.monotonic() + SNIPPET_TIMEOUT_S
+                while not query.recentProgress and query.isActive:
+                    assert time.monotonic() < deadline, f"{describe(block)}: {query.name} stalled"
+                    query.awaitTermination(1)
+                assert query.exception() is None, f"{describe(block)}: {query.exception()}"
+        finally:
+            for query in spark.streams.active:
+                if query.id not in before:
+                    query.stop()
