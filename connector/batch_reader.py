@@ -36,10 +36,10 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import blob_for, client_for
-from pyspark_persist.state.errors import InvalidFrontier
 from pyspark_persist.state.parts import consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
+from pyspark_persist.state.times import check_readable
 from pyspark_persist.stream_reader import PersistInputPartition, split_parts
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,7 @@ class PersistBatchReader(DataSourceReader):
         if as_of is None:
             as_of = reader.latest_as_of()
         state = shard.machine.fetch_latest()
-        if as_of < state.since or as_of >= state.upper:
-            raise InvalidFrontier(
-                f"persist: asOf {as_of} is outside the readable times [{state.since}, "
-                f"{state.upper - 1}] of shard {self._opts.shard!r}: pick a time in that range "
-                "(earlier times were compacted away)"
-            )
+        check_readable(as_of, state.since, state.upper, "persist: asOf", self._opts.shard)
         snap = reader.snapshot(as_of)
         parts = [p for p in snap.parts if not _skip(p.part, self._filters)]
         skipped = len(snap.parts) - len(parts)

@@ -30,6 +30,7 @@ from pyspark_persist.state.client import (
 )
 from pyspark_persist.state.errors import InvalidUri, InvalidUsage
 from pyspark_persist.state.registry import resolve
+from pyspark_persist.state.times import parse_time
 
 Purpose = Literal["read", "stream_read", "read_schema", "write", "stream_write"]
 
@@ -84,6 +85,7 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("startingPosition", STARTING_POSITION, _STREAM_READ),
     OptionName("startingAsOf", STARTING_AS_OF, _STREAM_READ),
     OptionName("asOf", AS_OF, _READ),
+    OptionName("timestampAsOf", AS_OF, _READ),  # Delta's name
     OptionName("maxBytesPerTrigger", MAX_BYTES, _STREAM_READ),
     OptionName("maxFilesPerTrigger", MAX_FILES, _STREAM_READ),
     OptionName("maxRowsPerTrigger", MAX_ROWS, _STREAM_READ),
@@ -170,7 +172,7 @@ class PersistOptions:
                 f"persist: startingPosition={position!r}: use 'earliest' (the snapshot, then "
                 "changes) or 'latest' (only new changes); for a time use startingAsOf"
             )
-        starting_as_of = _int(opts, said, STARTING_AS_OF)
+        starting_as_of = _time(opts, said, STARTING_AS_OF)
         if starting_as_of is not None and STARTING_POSITION in opts:
             raise InvalidUsage(
                 "persist: startingPosition and startingAsOf contradict each other; give one"
@@ -189,7 +191,7 @@ class PersistOptions:
             pubsub=None if pubsub in (None, "", "off", "none") else pubsub,
             starting_position="latest" if position == "latest" else "earliest",
             starting_as_of=starting_as_of,
-            as_of=_int(opts, said, AS_OF),
+            as_of=_time(opts, said, AS_OF),
             max_bytes=_size(opts, said, MAX_BYTES),
             max_files=_int(opts, said, MAX_FILES, minimum=1),
             max_rows=_int(opts, said, MAX_ROWS, minimum=1),
@@ -290,6 +292,17 @@ def _int(
     if value < minimum:
         raise InvalidUsage(f"persist: option {said[key]}={raw!r} must be at least {minimum}")
     return value
+
+
+def _time(opts: Mapping[str, str], said: Mapping[str, str], key: str) -> int | None:
+    """A time: epoch milliseconds, ``YYYY-MM-DD`` or ISO-8601 (see state/times.py)."""
+    raw = opts.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        return parse_time(raw, said[key])
+    except InvalidUsage as e:
+        raise InvalidUsage(f"persist: option {e}") from None
 
 
 def _size(opts: Mapping[str, str], said: Mapping[str, str], key: str) -> int | None:

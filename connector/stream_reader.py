@@ -44,11 +44,12 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import blob_for
-from pyspark_persist.state.errors import DataLoss, InvalidUsage
+from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
+from pyspark_persist.state.times import check_readable
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +238,13 @@ class LeaseHolder:
         if self._opts.starting_position == "latest":
             return Offset(state.shard_id, state.seqno, state.upper, "listen")
         as_of = self._opts.starting_as_of
-        if as_of is not None and as_of < state.since:
-            as_of = self._data_loss(
-                f"startingAsOf {as_of} is before the shard's since {state.since} (compacted)",
-                state.since,
-            )
+        if as_of is not None:
+            try:
+                check_readable(as_of, state.since, state.upper, "startingAsOf", state.shard_id)
+            except InvalidFrontier as e:
+                if as_of >= state.upper:
+                    raise InvalidFrontier(f"persist source: {e}") from None
+                as_of = self._data_loss(str(e), state.since)
         return Offset(state.shard_id, 0, 0, "snapshot", as_of)
 
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:

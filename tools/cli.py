@@ -531,22 +531,18 @@ def format_inspect(info: dict[str, Any]) -> str:
 
 def _check_as_of(state: ShardState, as_of: int | None) -> int:
     """The time to read (default ``upper - 1``), refusing one the shard cannot answer."""
+    from pyspark_persist.state.errors import InvalidFrontier
+    from pyspark_persist.state.times import check_readable
+
     name = state.shard_id
     if state.upper == 0:
         raise CliError(f"shard {name!r} has no complete time yet (upper is 0): nothing to show")
     if as_of is None:
         return state.upper - 1
-    if as_of >= state.upper:
-        raise CliError(
-            f"--as-of {as_of} is at or past the upper {state.upper} of shard {name!r}: "
-            f"use {state.upper - 1} or earlier"
-        )
-    if as_of < state.since:
-        raise CliError(
-            f"--as-of {as_of} is before the since {state.since} of shard {name!r} "
-            f"(compacted away): use {state.since} or later"
-        )
-    return as_of
+    try:
+        return check_readable(as_of, state.since, state.upper, "--as-of", name)
+    except InvalidFrontier as e:
+        raise CliError(str(e)) from None
 
 
 def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
@@ -941,9 +937,31 @@ def _emit(result: dict[str, Any], as_json: bool, text: Callable[[dict[str, Any]]
 JSON_HELP = "print JSON instead of text"
 
 
+class _TimeParam(click.ParamType):
+    """A time as every entry point takes one: epoch ms, ``YYYY-MM-DD`` or ISO-8601."""
+
+    name = "time"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """The time in milliseconds, or click's usage error (exit 2) naming the forms."""
+        from pyspark_persist.state.errors import InvalidUsage
+        from pyspark_persist.state.times import parse_time
+
+        try:
+            return parse_time(value if isinstance(value, int) else str(value), "--as-of")
+        except InvalidUsage as e:
+            self.fail(str(e), param, ctx)
+
+
 def _as_of_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--as-of T``, a time (``show`` reads at it, ``tail`` prints what comes after it)."""
-    return click.option("--as-of", type=int, default=None, metavar="T", help=help_text)
+    return click.option(
+        "--as-of",
+        type=_TimeParam(),
+        default=None,
+        metavar="T",
+        help=help_text + "; epoch ms, YYYY-MM-DD or ISO-8601",
+    )
 
 
 @click.group(

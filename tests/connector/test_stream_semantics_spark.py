@@ -1,0 +1,115 @@
+"""What Delta and Kafka users expect of ``format("persist")``, end to end in Spark (issue 17).
+
+One Spark test per point of the issue, on the embedded default location
+(which Spark's workers share through ``PERSIST_HOME``), in one file so they
+share the session and its warm Python workers. ``test_stream_semantics_unit.py``
+checks the same rules without a JVM.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from source_helpers import SCHEMA, Row, rows
+
+from pyspark_persist.state import PersistClient, Shard
+
+pytestmark = pytest.mark.spark
+
+DAY = 86_400_000
+NOV_20 = 1795132800000  # 2026-11-20T00:00:00Z in epoch milliseconds
+
+
+def new_shard() -> Shard:
+    """A fresh shard at the default location (what Spark's workers open)."""
+    return PersistClient.open().open_shard(f"sem-{uuid.uuid4().hex[:12]}", SCHEMA)
+
+
+def write_at(shard: Shard, table: pa.Table, t: int) -> int:
+    """Commit ``table`` at time ``t`` (the upper first jumps to ``t``); returns ``t``."""
+    writer = shard.writer()
+    if shard.upper < t:
+        writer.compare_and_append(SCHEMA.empty_table(), shard.upper, t)
+    writer.compare_and_append(table, t, t + 1)
+    return t
+
+
+def consolidated(updates: list[Any]) -> Counter[Row]:
+    """Sum diffs per row (Spark Rows or dicts), drop zeros."""
+    c: Counter[Row] = Counter()
+    for u in updates:
+        c[(u["id"], u["s"])] += u["_diff"]
+    return Counter({k: v for k, v in c.items() if v})
+
+
+def run_available_now(
+    spark: SparkSession, shard: Shard, checkpoint: Path, options: dict[str, str]
+) -> list[list[Any]]:
+    """Run the source with Trigger.AvailableNow; every micro-batch's rows, in order."""
+    batches: dict[int, list[Any]] = {}
+
+    def collect(df: DataFrame, batch_id: int) -> None:
+        batches[batch_id] = df.collect()
+
+    q = (
+        spark.readStream.format("persist")
+        .options(**options)
+        .load(shard.name)
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert q.awaitTermination(180), "query did not finish"
+    finally:
+        q.stop()
+    return [batches[k] for k in sorted(batches)]
+
+
+def error_of(fn: Any) -> str:
+    """The text of the exception ``fn`` raises (Spark wraps Python errors; keep it all)."""
+    with pytest.raises(Exception) as ei:  # noqa: B017 - Spark wraps in several types
+        fn()
+    return str(ei.value)
+
+
+def test_times_as_iso_text_and_dates_with_deltas_names(spark: SparkSession, tmp_path: Path) -> None:
+    """Item 2: timestampAsOf/asOf/startingAsOf take ISO-8601 and dates; out of range names
+    both frontiers."""
+    shard = new_shard()
+    write_at(shard, rows(range(0, 50)), NOV_20)
+    write_at(shard, rows(range(0, 20), diff=-1), NOV_20 + DAY)
+
+    def read() -> Any:  # a DataFrameReader keeps its options: a fresh one per read
+        return spark.read.format("persist")
+
+    at_20 = read().option("timestampAsOf", "2026-11-20T12:00:00Z").load(shard.name).collect()
+    assert consolidated(at_20) == consolidated(rows(range(0, 50)).to_pylist())
+    assert {r["_time"] for r in at_20} == {NOV_20 + DAY // 2}
+    at_21 = read().option("asOf", "2026-11-21").load(shard.name).collect()
+    assert consolidated(at_21) == consolidated(rows(range(20, 50)).to_pylist())
+    msg = error_of(lambda: read().option("asOf", "2026-11-25").load(shard.name).collect())
+    assert "asOf 1795564800000 (2026-11-25T00:00:00.000Z) is at or past the upper" in msg
+    assert f"[since, upper) = [0, {NOV_20 + DAY + 1})" in msg
+    assert "timestampAsOf='soon' is not a time" in error_of(
+        lambda: read().option("timestampAsOf", "soon").load(shard.name).collect()
+    )
+    batches = run_available_now(spark, shard, tmp_path / "cp", {"startingAsOf": "2026-11-20"})
+    assert consolidated(batches[0]) == consolidated(rows(range(0, 50)).to_pylist())
+    later = [r for b in batches[1:] for r in b]
+    assert consolidated(later) == consolidated(rows(range(0, 20), diff=-1).to_pylist())
+    old = new_shard()  # no Spark reader holds its since back
+    write_at(old, rows(range(0, 50)), NOV_20)
+    write_at(old, rows(range(0, 20), diff=-1), NOV_20 + DAY)
+    with old.reader() as r:
+        r.downgrade_since(NOV_20 + DAY)
+    msg = error_of(lambda: read().option("asOf", "2026-11-20").load(old.name).collect())
+    assert "asOf 1795132800000 (2026-11-20T00:00:00.000Z) is before the since" in msg
+    assert f"[since, upper) = [{NOV_20 + DAY}, {NOV_20 + DAY + 1})" in msg

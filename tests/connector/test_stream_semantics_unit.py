@@ -1,0 +1,127 @@
+"""What Delta and Kafka users expect of the persist source, without Spark (issue 17).
+
+Each rule here is also checked end to end in ``test_stream_semantics_spark.py``;
+these make the same calls Spark makes on an in-memory location, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from source_helpers import SCHEMA, Row, rows
+
+from pyspark_persist.options import PersistOptions
+from pyspark_persist.schema import read_schema
+from pyspark_persist.state import PersistClient, Shard
+from pyspark_persist.state.errors import InvalidFrontier, InvalidUsage
+from pyspark_persist.stream_reader import DataLoss, PersistStreamReader
+
+DAY = 86_400_000
+NOV_20 = 1795132800000  # 2026-11-20T00:00:00Z in epoch milliseconds
+
+
+class Env:
+    """A fresh in-memory location with one shard, written at epoch-millisecond times."""
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex
+        self.base = {"blob": f"mem://{tag}", "consensus": f"mem://{tag}", "shard": f"s{tag[:12]}"}
+        self.client = PersistClient.open(self.base["blob"], self.base["consensus"])
+        self.shard: Shard = self.client.open_shard(self.base["shard"], SCHEMA)
+        self.writer = self.shard.writer()
+
+    def write_at(self, table: pa.Table, t: int) -> int:
+        """Commit ``table`` at time ``t`` (the upper first jumps to ``t``); returns ``t``."""
+        upper = self.shard.upper
+        if upper < t:
+            self.writer.compare_and_append(SCHEMA.empty_table(), upper, t)
+        self.writer.compare_and_append(table, t, t + 1)
+        return t
+
+    def options(self, purpose: str, **extra: str) -> PersistOptions:
+        """Options for this shard as Spark hands them over (keys lower-cased)."""
+        given = {k.lower(): v for k, v in {**self.base, **extra}.items()}
+        return PersistOptions.parse(given, purpose)  # type: ignore[arg-type]
+
+    def reader(self, **extra: str) -> PersistStreamReader:
+        """A streaming reader as ``format("persist")`` builds it."""
+        return PersistStreamReader(self.options("stream_read", **extra), read_schema(SCHEMA))
+
+
+def consolidated(updates: list[dict[str, Any]]) -> Counter[Row]:
+    """Sum diffs per row; drop zeros."""
+    c: Counter[Row] = Counter()
+    for u in updates:
+        c[(u["id"], u["s"])] += u["_diff"]
+    return Counter({k: v for k, v in c.items() if v})
+
+
+def drain(reader: PersistStreamReader, start: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """Micro-batches as Spark runs them until nothing is new: each one's rows."""
+    import pickle
+
+    batches: list[list[dict[str, Any]]] = []
+    for _ in range(100):
+        end = reader.latestOffset(start, reader.getDefaultReadLimit())
+        if end == start:
+            return batches
+        remote: PersistStreamReader = pickle.loads(pickle.dumps(reader))
+        out = [
+            r
+            for p in reader.partitions(start, end)
+            for b in remote.read(pickle.loads(pickle.dumps(p)))
+            for r in b.to_pylist()
+        ]
+        reader.commit(end)
+        batches.append(out)
+        start = end
+    raise AssertionError("the source never stopped producing micro-batches")
+
+
+# --- item 2: times as text, Delta's names, both frontiers in errors ---------------------------
+
+
+def test_times_as_text_and_deltas_names_parse_to_epoch_millis() -> None:
+    """asOf/timestampAsOf/startingAsOf take ISO-8601 and dates; two names of one setting clash."""
+    env = Env()
+    assert env.options("read", timestampAsOf="2026-11-20").as_of == NOV_20
+    assert env.options("read", asOf="2026-11-20T00:00:01.5Z").as_of == NOV_20 + 1500
+    assert env.options("stream_read", startingAsOf="2026-11-21").starting_as_of == NOV_20 + DAY
+    with pytest.raises(InvalidUsage, match="options asOf='1' and timestampAsOf='2' set the same"):
+        env.options("read", asOf="1", timestampAsOf="2")
+    with pytest.raises(InvalidUsage, match="option timestampAsOf='noon' is not a time"):
+        env.options("read", timestampAsOf="noon")
+
+
+def test_starting_as_of_a_date_reads_the_snapshot_then_changes_and_refuses_the_future() -> None:
+    """startingAsOf=<day>: the collection as of that instant, then later changes; a time at or
+    past upper (or before since) is refused naming both frontiers."""
+    env = Env()
+    env.write_at(rows(range(0, 50)), NOV_20)
+    env.write_at(rows(range(50, 80)), NOV_20 + DAY)
+    env.write_at(rows(range(0, 10), diff=-1), NOV_20 + 2 * DAY)
+    reader = env.reader(startingAsOf="2026-11-21T12:00:00")
+    batches = drain(reader, reader.initialOffset())
+    assert consolidated(batches[0]) == consolidated(rows(range(0, 80)).to_pylist())
+    assert {r["_time"] for r in batches[0]} == {NOV_20 + DAY + DAY // 2}
+    later = [r for b in batches[1:] for r in b]
+    assert consolidated(later) == consolidated(rows(range(0, 10), diff=-1).to_pylist())
+    reader.stop()
+    future = env.reader(startingAsOf="2026-12-01")
+    with pytest.raises(
+        InvalidFrontier,
+        match=r"startingAsOf 1796083200000 \(2026-12-01T00:00:00.000Z\) is at or past the upper "
+        rf"{NOV_20 + 2 * DAY + 1} .*\[since, upper\) = \[\d+, {NOV_20 + 2 * DAY + 1}\)",
+    ):
+        future.initialOffset()
+    future.stop()
+    with env.shard.reader() as r:
+        r.downgrade_since(NOV_20 + DAY)
+    past = env.reader(startingAsOf="2026-11-20")
+    with pytest.raises(DataLoss, match=r"before the since .*\[since, upper\) = .*failOnDataLoss"):
+        past.initialOffset()
+    past.stop()
