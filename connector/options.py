@@ -105,6 +105,50 @@ _SPARKS = frozenset({"path", "paths", CHECKPOINT, QUERY_NAME})
 """Names Spark itself passes: never listed as valid choices in a message."""
 
 
+@dataclass(frozen=True)
+class PeerName:
+    """An option name of a system users come from (Kafka, Delta, Spark's file sources) that
+    persist does not take, with the persist option (or way) that does what it did."""
+
+    spelling: str
+    system: str
+    hint: str
+
+
+PEER_NAMES: tuple[PeerName, ...] = (
+    PeerName(
+        "startingOffsets",
+        "Kafka",
+        "use startingPosition (earliest/latest) or startingAsOf (a time)",
+    ),
+    PeerName("endingOffsets", "Kafka", "use asOf (a time) for a batch read"),
+    PeerName("maxOffsetsPerTrigger", "Kafka", "use maxRowsPerTrigger"),
+    PeerName("minOffsetsPerTrigger", "Kafka", "persist has no minimum: use maxRowsPerTrigger"),
+    PeerName("startingOffsetsByTimestamp", "Kafka", "use startingAsOf (a time)"),
+    PeerName("startingTimestamp", "Kafka", "use startingAsOf (a time)"),
+    PeerName("subscribe", "Kafka", "use shard (or .load(name))"),
+    PeerName("subscribePattern", "Kafka", "a query reads one shard: use shard"),
+    PeerName("assign", "Kafka", "a query reads one shard: use shard"),
+    PeerName("topic", "Kafka", "use shard (or .save(name))"),
+    PeerName("kafka.bootstrap.servers", "Kafka", "use blob and consensus (see Locations)"),
+    PeerName("versionAsOf", "Delta", "persist reads by time: use asOf (a time)"),
+    PeerName("readChangeFeed", "Delta", "a stream reads every change; a batch read uses asOf"),
+    PeerName("startingVersion", "Delta", "use startingAsOf (a time)"),
+    PeerName(
+        "ignoreChanges",
+        "Delta",
+        "persist streams every change, retractions included (_diff -1): nothing to ignore",
+    ),
+    PeerName("ignoreDeletes", "Delta", "persist streams retractions as rows with _diff -1"),
+    PeerName("skipChangeCommits", "Delta", "filter _diff > 0 to keep only insertions"),
+    PeerName("replaceWhere", "Delta", 'mode("overwrite") replaces the whole shard'),
+    PeerName("maxFileAge", "Spark's file source", "use startingAsOf (a time)"),
+    PeerName("latestFirst", "Spark's file source", "persist reads in time order"),
+)
+"""Peer names that get a "did you mean" naming persist's option (matched lower-cased)."""
+_PEERS = {p.spelling.lower(): p for p in PEER_NAMES}
+
+
 _LABELS: dict[Purpose, str] = {
     "read": "batch reads",
     "stream_read": "stream reads",
@@ -219,16 +263,39 @@ def _refuse_misplaced(given: Mapping[str, str], purpose: Purpose) -> None:
         if option is not None:
             where = sorted(_LABELS[p] for p in option.purposes)
             hints.append(f"{option.spelling} applies to {' and '.join(where)} only")
-            continue
-        close = difflib.get_close_matches(key, [o.lower() for o in valid], n=1, cutoff=0.75)
-        if close:
-            hints.append(f"{key}: did you mean {SPELLING[close[0]]}?")
-    names = ", ".join(SPELLING.get(k, k) for k in bad)
+        elif key in _PEERS:
+            peer = _PEERS[key]
+            hints.append(f"{peer.spelling} is {peer.system}'s option: {peer.hint}")
+        elif key.startswith("kafka."):
+            hints.append(
+                f"{key} configures a Kafka client: {_PEERS['kafka.bootstrap.servers'].hint}"
+            )
+        else:
+            choices = [o.lower() for o in valid] + list(_PEERS)
+            close = difflib.get_close_matches(key, choices, n=1, cutoff=0.75)
+            if close and close[0] in _PEERS:
+                peer = _PEERS[close[0]]
+                hints.append(f"{key}: {peer.system}'s {peer.spelling}? {peer.hint}")
+            elif close:
+                hints.append(f"{key}: did you mean {SPELLING[close[0]]}?")
+    names = ", ".join(_shown(k) for k in bad)
+    unknown = any(k not in _BY_KEY and k not in _PEERS for k in bad)
     raise InvalidUsage(
         f"persist: option(s) {names} not valid for {purpose.replace('_', ' ')}"
         + (f" ({'; '.join(hints)})" if hints else "")
         + f"; valid options: {', '.join(valid)}"
+        + (" (Spark hands option names to Python sources lower-cased)" if unknown else "")
     )
+
+
+def _shown(key: str) -> str:
+    """How a message spells a lower-cased key: persist's or a peer's documented spelling, else
+    as given (Spark lower-cases option names before a Python source sees them)."""
+    if key in SPELLING:
+        return SPELLING[key]
+    if key in _PEERS:
+        return _PEERS[key].spelling
+    return key
 
 
 def _settings(given: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -113,3 +113,34 @@ def test_times_as_iso_text_and_dates_with_deltas_names(spark: SparkSession, tmp_
     msg = error_of(lambda: read().option("asOf", "2026-11-20").load(old.name).collect())
     assert "asOf 1795132800000 (2026-11-20T00:00:00.000Z) is before the since" in msg
     assert f"[since, upper) = [{NOV_20 + DAY}, {NOV_20 + DAY + 1})" in msg
+
+
+def test_peer_option_names_get_the_persist_option_in_their_spelling(spark: SparkSession) -> None:
+    """Item 9: Kafka's and Delta's names, as Spark hands them over (lower-cased), are named in
+    their documented spelling with the persist option that does the job."""
+    shard = new_shard()
+    write_at(shard, rows(range(3)), 0)
+    msg = error_of(
+        lambda: (
+            spark.readStream.format("persist")
+            .option("startingOffsets", "earliest")
+            .load(shard.name)
+        )
+    )
+    assert "startingOffsets is Kafka's option: use startingPosition (earliest/latest)" in msg
+    msg = error_of(
+        lambda: (
+            spark.readStream.format("persist").option("maxOffsetsPerTrigger", "5").load(shard.name)
+        )
+    )
+    assert "maxOffsetsPerTrigger is Kafka's option: use maxRowsPerTrigger" in msg
+    msg = error_of(
+        lambda: spark.read.format("persist").option("versionAsOf", "0").load(shard.name).collect()
+    )
+    assert "versionAsOf is Delta's option" in msg
+    msg = error_of(
+        lambda: (
+            spark.read.format("persist").option("splitSizeByte", "1m").load(shard.name).collect()
+        )
+    )
+    assert "splitsizebyte: did you mean splitSizeBytes?" in msg and "lower-cased" in msg

@@ -125,3 +125,48 @@ def test_starting_as_of_a_date_reads_the_snapshot_then_changes_and_refuses_the_f
     with pytest.raises(DataLoss, match=r"before the since .*\[since, upper\) = .*failOnDataLoss"):
         past.initialOffset()
     past.stop()
+
+
+# --- item 9: peers' option names get the persist option, in readable spelling ---------------
+
+
+@pytest.mark.parametrize(
+    ("purpose", "given", "message"),
+    [
+        (
+            "stream_read",
+            {"startingoffsets": "earliest"},
+            r"option\(s\) startingOffsets not valid for stream read \(startingOffsets is Kafka's "
+            r"option: use startingPosition \(earliest/latest\) or startingAsOf",
+        ),
+        ("stream_read", {"maxoffsetspertrigger": "9"}, "Kafka's option: use maxRowsPerTrigger"),
+        ("read", {"versionasof": "3"}, "versionAsOf is Delta's option: persist reads by time"),
+        ("stream_read", {"ignorechanges": "true"}, "retractions included"),
+        ("stream_read", {"kafka.group.id": "g"}, "kafka.group.id configures a Kafka client"),
+        ("stream_read", {"startingoffset": "1"}, r"startingoffset: Kafka's startingOffsets\?"),
+        (
+            "stream_read",
+            {"maxrowpertriger": "1"},
+            "maxrowpertriger: did you mean maxRowsPerTrigger",
+        ),
+        ("read", {"maxrowspertrigger": "1"}, "maxRowsPerTrigger applies to stream reads only"),
+    ],
+)
+def test_peer_option_names_hint_the_persist_option(
+    purpose: str, given: dict[str, str], message: str
+) -> None:
+    """Kafka/Delta names, typos and misplaced options: the message names persist's option."""
+    base = {"shard": "s1", "blob": "mem://o", "consensus": "mem://o"}
+    with pytest.raises(InvalidUsage, match=message):
+        PersistOptions.parse({**base, **given}, purpose)  # type: ignore[arg-type]
+
+
+def test_unknown_names_are_quoted_as_spark_hands_them_over() -> None:
+    """Spark lower-cases keys before a Python source sees them: the message says so, and every
+    name persist knows (its own, a peer's) is quoted in its documented spelling."""
+    base = {"shard": "s1", "blob": "mem://o", "consensus": "mem://o"}
+    with pytest.raises(InvalidUsage, match=r"option\(s\) frobnicate not valid.*lower-cased"):
+        PersistOptions.parse({**base, "frobnicate": "1"}, "read")
+    with pytest.raises(InvalidUsage) as ei:
+        PersistOptions.parse({**base, "versionasof": "1"}, "read")
+    assert "lower-cased" not in str(ei.value) and "versionAsOf" in str(ei.value)
