@@ -34,7 +34,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from pyspark_persist.options import PersistOptions
+from pyspark_persist.options import AS_OF, PersistOptions
 from pyspark_persist.source import blob_for, client_for
 from pyspark_persist.state.parts import consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
@@ -68,7 +68,8 @@ class PersistBatchReader(DataSourceReader):
         if as_of is None:
             as_of = reader.latest_as_of()
         state = shard.machine.fetch_latest()
-        check_readable(as_of, state.since, state.upper, "persist: asOf", self._opts.shard)
+        name = f"persist: {self._opts.spelled(AS_OF)}"
+        check_readable(as_of, state.since, state.upper, name, self._opts.shard)
         snap = reader.snapshot(as_of)
         parts = [p for p in snap.parts if not _skip(p.part, self._filters)]
         skipped = len(snap.parts) - len(parts)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pyspark_persist.state.client import (
@@ -41,6 +41,8 @@ CONSENSUS = "consensus"
 PUBSUB = "pubsub"
 STARTING_POSITION = "startingposition"
 STARTING_AS_OF = "startingasof"
+STARTING_TIME = "startingtime"
+STARTING_SEQNO = "startingseqno"
 AS_OF = "asof"
 MAX_BYTES = "maxbytespertrigger"
 MAX_FILES = "maxfilespertrigger"
@@ -84,6 +86,10 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("pubsub", PUBSUB, _ALL),
     OptionName("startingPosition", STARTING_POSITION, _STREAM_READ),
     OptionName("startingAsOf", STARTING_AS_OF, _STREAM_READ),
+    OptionName("startingTime", STARTING_TIME, _STREAM_READ),
+    OptionName("startingTimestamp", STARTING_TIME, _STREAM_READ),  # Delta's and Kafka's name
+    OptionName("startingSeqNo", STARTING_SEQNO, _STREAM_READ),
+    OptionName("startingVersion", STARTING_SEQNO, _STREAM_READ),  # Delta's name
     OptionName("asOf", AS_OF, _READ),
     OptionName("timestampAsOf", AS_OF, _READ),  # Delta's name
     OptionName("maxBytesPerTrigger", MAX_BYTES, _STREAM_READ),
@@ -125,7 +131,6 @@ PEER_NAMES: tuple[PeerName, ...] = (
     PeerName("maxOffsetsPerTrigger", "Kafka", "use maxRowsPerTrigger"),
     PeerName("minOffsetsPerTrigger", "Kafka", "persist has no minimum: use maxRowsPerTrigger"),
     PeerName("startingOffsetsByTimestamp", "Kafka", "use startingAsOf (a time)"),
-    PeerName("startingTimestamp", "Kafka", "use startingAsOf (a time)"),
     PeerName("subscribe", "Kafka", "use shard (or .load(name))"),
     PeerName("subscribePattern", "Kafka", "a query reads one shard: use shard"),
     PeerName("assign", "Kafka", "a query reads one shard: use shard"),
@@ -133,7 +138,6 @@ PEER_NAMES: tuple[PeerName, ...] = (
     PeerName("kafka.bootstrap.servers", "Kafka", "use blob and consensus (see Locations)"),
     PeerName("versionAsOf", "Delta", "persist reads by time: use asOf (a time)"),
     PeerName("readChangeFeed", "Delta", "a stream reads every change; a batch read uses asOf"),
-    PeerName("startingVersion", "Delta", "use startingAsOf (a time)"),
     PeerName(
         "ignoreChanges",
         "Delta",
@@ -177,6 +181,8 @@ class PersistOptions:
     pubsub: str | None = None
     starting_position: Literal["earliest", "latest"] = "earliest"
     starting_as_of: int | None = None
+    starting_time: int | None = None
+    starting_seqno: int | None = None
     as_of: int | None = None
     max_bytes: int | None = None
     max_files: int | None = None
@@ -188,6 +194,12 @@ class PersistOptions:
     part_size_bytes: int | None = None
     checkpoint_location: str | None = None
     filter_pushdown: bool = False
+    said: Mapping[str, str] = field(default_factory=dict)
+    """The option name the user gave each setting by (an alias, or persist's own name)."""
+
+    def spelled(self, setting: str) -> str:
+        """How to name ``setting`` in a message: as the user named it."""
+        return self.said.get(setting, SPELLING[setting])
 
     @classmethod
     def parse(cls, options: Mapping[str, str], purpose: Purpose) -> PersistOptions:
@@ -217,9 +229,17 @@ class PersistOptions:
                 "changes) or 'latest' (only new changes); for a time use startingAsOf"
             )
         starting_as_of = _time(opts, said, STARTING_AS_OF)
-        if starting_as_of is not None and STARTING_POSITION in opts:
+        starting_time = _time(opts, said, STARTING_TIME)
+        starting_seqno = _int(opts, said, STARTING_SEQNO, minimum=1)
+        starts = [
+            said[k]
+            for k in (STARTING_POSITION, STARTING_AS_OF, STARTING_TIME, STARTING_SEQNO)
+            if opts.get(k)
+        ]
+        if len(starts) > 1:
             raise InvalidUsage(
-                "persist: startingPosition and startingAsOf contradict each other; give one"
+                f"persist: {' and '.join(starts)} contradict each other (each says where the "
+                "stream starts); give one"
             )
         limits = [said[k] for k in (MAX_BYTES, MAX_FILES, MAX_ROWS) if opts.get(k)]
         if len(limits) > 1:
@@ -235,6 +255,8 @@ class PersistOptions:
             pubsub=None if pubsub in (None, "", "off", "none") else pubsub,
             starting_position="latest" if position == "latest" else "earliest",
             starting_as_of=starting_as_of,
+            starting_time=starting_time,
+            starting_seqno=starting_seqno,
             as_of=_time(opts, said, AS_OF),
             max_bytes=_size(opts, said, MAX_BYTES),
             max_files=_int(opts, said, MAX_FILES, minimum=1),
@@ -246,6 +268,7 @@ class PersistOptions:
             part_size_bytes=_size(opts, said, PART_SIZE),
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
+            said={k: v for k, v in said.items() if k in opts},
         )
 
 

@@ -3,7 +3,9 @@
 Offsets are JSON ``{"shard", "seqno", "upper", "phase", "as_of"}``: every
 update with a time below ``upper`` has been emitted (``phase: "listen"``), or
 nothing has and the next micro-batch reads the snapshot (``phase:
-"snapshot"``, at ``as_of`` if the user asked for a time). ``seqno`` is the
+"snapshot"``, at ``as_of`` if the user asked for a time). A stream asked to
+start at a time or SeqNo without the snapshot (``startingTime``,
+``startingSeqNo``) starts in ``listen`` at that time. ``seqno`` is the
 state the offset was observed at. They are built only from values in state,
 so the same state always gives the same offset.
 
@@ -42,14 +44,21 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from pyspark_persist.options import PersistOptions
+from pyspark_persist.options import (
+    STARTING_AS_OF,
+    STARTING_SEQNO,
+    STARTING_TIME,
+    PersistOptions,
+)
 from pyspark_persist.source import blob_for
+from pyspark_persist.state import retry
 from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage
+from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
-from pyspark_persist.state.times import check_readable
+from pyspark_persist.state.times import check_readable, describe
 
 log = logging.getLogger(__name__)
 
@@ -237,15 +246,55 @@ class LeaseHolder:
         state = self.current_state()
         if self._opts.starting_position == "latest":
             return Offset(state.shard_id, state.seqno, state.upper, "listen")
+        if self._opts.starting_time is not None or self._opts.starting_seqno is not None:
+            return self._changes_from(state)
         as_of = self._opts.starting_as_of
         if as_of is not None:
             try:
-                check_readable(as_of, state.since, state.upper, "startingAsOf", state.shard_id)
+                name = self._opts.spelled(STARTING_AS_OF)
+                check_readable(as_of, state.since, state.upper, name, state.shard_id)
             except InvalidFrontier as e:
                 if as_of >= state.upper:
                     raise InvalidFrontier(f"persist source: {e}") from None
                 as_of = self._data_loss(str(e), state.since)
         return Offset(state.shard_id, 0, 0, "snapshot", as_of)
+
+    def _changes_from(self, state: ShardState) -> Offset:
+        """startingTime T / startingSeqNo S: no snapshot, every change at a time from T on (or
+        committed from SeqNo S on: the times from the upper S - 1 left).
+
+        Exactly the changes after the collection at ``T - 1``, which must be readable: below
+        since, compaction has merged them with older ones (data loss).
+        """
+        if self._opts.starting_seqno is not None:
+            name = self._opts.spelled(STARTING_SEQNO)
+            what = f"{name} {self._opts.starting_seqno} (from the upper SeqNo"
+            what += f" {self._opts.starting_seqno - 1} left)"
+            with retry.deadline_in(self.machine.config.retry_timeout_s):
+                past = replay(state.shard_id, self.machine.consensus, self.machine.blob)
+            at = state_at(past, self._opts.starting_seqno - 1, f"persist source: {name}")
+            lower = at.upper
+            state = past.head if past.head.seqno > state.seqno else state
+        else:
+            lower = self._opts.starting_time or 0
+            what = self._opts.spelled(STARTING_TIME)
+        if lower > state.upper:
+            raise InvalidFrontier(
+                f"persist source: {what}: time {describe(lower)} is past the upper "
+                f"{describe(state.upper)} of shard {state.shard_id!r}: the changes from a time "
+                f"in [since, upper] = [{state.since}, {state.upper}] can be streamed; for only "
+                "new changes use "
+                "startingPosition=latest"
+            )
+        if 0 < lower and lower - 1 < state.since:
+            lower = self._data_loss(
+                f"{what}: time {describe(lower)} needs the collection as of {lower - 1}, "
+                f"before the since {state.since} (the changes in [since, upper] = "
+                f"[{state.since}, {state.upper}] are kept apart; older ones were compacted "
+                "together)",
+                state.since + 1,
+            )
+        return Offset(state.shard_id, state.seqno, lower, "listen")
 
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         """The end of the next micro-batch: everything available, cut by the read limit."""
@@ -290,7 +339,7 @@ class LeaseHolder:
             parts = self._snapshot_parts(as_of)
         else:
             lower = start.upper
-            if lower - 1 < state.since:
+            if lower > 0 and lower - 1 < state.since:  # from 0 nothing was merged away
                 lower = self._data_loss(
                     f"times [{lower}, {state.since}] were compacted before this query read them",
                     state.since + 1,

@@ -144,3 +144,31 @@ def test_peer_option_names_get_the_persist_option_in_their_spelling(spark: Spark
         )
     )
     assert "splitsizebyte: did you mean splitSizeBytes?" in msg and "lower-cased" in msg
+
+
+def test_starting_timestamp_or_version_streams_changes_without_the_snapshot(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Item 3: startingTimestamp (a date) and startingVersion (a SeqNo) stream the changes from
+    there on, with their own times, never the snapshot."""
+    shard = new_shard()
+    write_at(shard, rows(range(0, 50)), NOV_20)
+    write_at(shard, rows(range(50, 80)), NOV_20 + DAY)
+    nov_21_seqno = shard.state().seqno
+    write_at(shard, rows(range(0, 10), diff=-1), NOV_20 + 2 * DAY)
+    want = Counter(
+        (r["id"], r["s"], r["_time"], r["_diff"])
+        for t, table in (
+            (NOV_20 + DAY, rows(range(50, 80))),
+            (NOV_20 + 2 * DAY, rows(range(10), -1)),
+        )
+        for r in table.append_column(
+            "_time", pa.array([t] * table.num_rows, pa.int64())
+        ).to_pylist()
+    )
+    for name, option in (
+        ("ts", {"startingTimestamp": "2026-11-21T00:00:00Z"}),
+        ("version", {"startingVersion": str(nov_21_seqno)}),
+    ):
+        got = [r for b in run_available_now(spark, shard, tmp_path / name, option) for r in b]
+        assert Counter((r["id"], r["s"], r["_time"], r["_diff"]) for r in got) == want, name

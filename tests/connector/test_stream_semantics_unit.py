@@ -170,3 +170,81 @@ def test_unknown_names_are_quoted_as_spark_hands_them_over() -> None:
     with pytest.raises(InvalidUsage) as ei:
         PersistOptions.parse({**base, "versionasof": "1"}, "read")
     assert "lower-cased" not in str(ei.value) and "versionAsOf" in str(ei.value)
+
+
+# --- item 3: start at a time or SeqNo with changes only ---------------------------------------
+
+
+def _three_days(env: Env) -> list[int]:
+    """Inserts on Nov 20 and 21, a retraction on Nov 22; the SeqNo of each data commit."""
+    seqnos = []
+    for table, t in (
+        (rows(range(0, 50)), NOV_20),
+        (rows(range(50, 80)), NOV_20 + DAY),
+        (rows(range(0, 10), diff=-1), NOV_20 + 2 * DAY),
+    ):
+        env.write_at(table, t)
+        seqnos.append(env.shard.state().seqno)
+    return seqnos
+
+
+def test_starting_time_or_seqno_streams_changes_only_from_there() -> None:
+    """startingTimestamp=<day> / startingVersion=S: no snapshot; exactly the changes at or after
+    that time (committed at or after that SeqNo), with their own times, then new ones."""
+    env = Env()
+    seqnos = _three_days(env)
+    want = consolidated(rows(range(50, 80)).to_pylist() + rows(range(10), -1).to_pylist())
+    for option in ({"startingTimestamp": "2026-11-21"}, {"startingVersion": str(seqnos[1])}):
+        reader = env.reader(**option)
+        start = reader.initialOffset()
+        got = [r for b in drain(reader, start) for r in b]
+        assert consolidated(got) == want, option
+        assert {r["_time"] for r in got} == {NOV_20 + DAY, NOV_20 + 2 * DAY}
+        reader.stop()
+    # Changes from a time between two commits start at the next one; new commits follow.
+    reader = env.reader(startingTime=str(NOV_20 + DAY + 1))
+    start = reader.initialOffset()
+    env.write_at(rows(range(100, 105)), NOV_20 + 3 * DAY)
+    got = [r for b in drain(reader, start) for r in b]
+    assert consolidated(got) == consolidated(
+        rows(range(10), -1).to_pylist() + rows(range(100, 105)).to_pylist()
+    )
+    reader.stop()
+
+
+def start_of(env: Env, **options: str) -> dict[str, Any]:
+    """The initial offset of a reader with ``options``; the reader is stopped either way (so its
+    hold on since goes)."""
+    reader = env.reader(**options)
+    try:
+        return reader.initialOffset()
+    finally:
+        reader.stop()
+
+
+def test_starting_time_or_seqno_outside_the_kept_past_is_refused() -> None:
+    """Past upper, or before since (the changes were merged), or a SeqNo not kept: errors naming
+    the frontiers; failOnDataLoss=false starts at since instead."""
+    env = Env()
+    _three_days(env)
+    upper = env.shard.upper
+    with pytest.raises(InvalidFrontier, match=rf"past the upper {upper} .*\[since, upper\]"):
+        start_of(env, startingTime=str(upper + 1))
+    with pytest.raises(InvalidFrontier, match=r"SeqNo 999 .* not written yet.*SeqNos kept are"):
+        start_of(env, startingSeqNo="1000")
+    head = env.shard.machine.fetch_latest().seqno
+    at_upper = env.reader(startingSeqNo=str(head + 1))
+    assert drain(at_upper, at_upper.initialOffset()) == []  # from the head: only new changes
+    at_upper.stop()
+    with env.shard.reader() as r:
+        r.downgrade_since(NOV_20 + DAY)
+    with pytest.raises(
+        DataLoss, match=r"startingTimestamp: time .* before the since .*failOnDataLoss"
+    ):
+        start_of(env, startingTimestamp="2026-11-21")
+    lenient = env.reader(startingTimestamp="2026-11-21", failOnDataLoss="false")
+    got = [r for b in drain(lenient, lenient.initialOffset()) for r in b]
+    assert consolidated(got) == consolidated(rows(range(10), -1).to_pylist())
+    lenient.stop()
+    with pytest.raises(InvalidUsage, match="startingAsOf and startingTimestamp contradict"):
+        env.reader(startingAsOf="1", startingTimestamp="2")
