@@ -43,6 +43,9 @@ STARTING_POSITION = "startingposition"
 STARTING_AS_OF = "startingasof"
 STARTING_TIME = "startingtime"
 STARTING_SEQNO = "startingseqno"
+READ_CHANGES = "readchanges"
+ENDING_TIME = "endingtime"
+ENDING_SEQNO = "endingseqno"
 AS_OF = "asof"
 MAX_BYTES = "maxbytespertrigger"
 MAX_FILES = "maxfilespertrigger"
@@ -86,10 +89,16 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("pubsub", PUBSUB, _ALL),
     OptionName("startingPosition", STARTING_POSITION, _STREAM_READ),
     OptionName("startingAsOf", STARTING_AS_OF, _STREAM_READ),
-    OptionName("startingTime", STARTING_TIME, _STREAM_READ),
-    OptionName("startingTimestamp", STARTING_TIME, _STREAM_READ),  # Delta's and Kafka's name
-    OptionName("startingSeqNo", STARTING_SEQNO, _STREAM_READ),
-    OptionName("startingVersion", STARTING_SEQNO, _STREAM_READ),  # Delta's name
+    OptionName("startingTime", STARTING_TIME, _READS),
+    OptionName("startingTimestamp", STARTING_TIME, _READS),  # Delta's and Kafka's name
+    OptionName("startingSeqNo", STARTING_SEQNO, _READS),
+    OptionName("startingVersion", STARTING_SEQNO, _READS),  # Delta's name
+    OptionName("readChanges", READ_CHANGES, _READ),
+    OptionName("readChangeFeed", READ_CHANGES, _READ),  # Delta's name
+    OptionName("endingTime", ENDING_TIME, _READ),
+    OptionName("endingTimestamp", ENDING_TIME, _READ),  # Delta's name: inclusive, so + 1
+    OptionName("endingSeqNo", ENDING_SEQNO, _READ),
+    OptionName("endingVersion", ENDING_SEQNO, _READ),  # Delta's name
     OptionName("asOf", AS_OF, _READ),
     OptionName("timestampAsOf", AS_OF, _READ),  # Delta's name
     OptionName("maxBytesPerTrigger", MAX_BYTES, _STREAM_READ),
@@ -127,7 +136,11 @@ PEER_NAMES: tuple[PeerName, ...] = (
         "Kafka",
         "use startingPosition (earliest/latest) or startingAsOf (a time)",
     ),
-    PeerName("endingOffsets", "Kafka", "use asOf (a time) for a batch read"),
+    PeerName(
+        "endingOffsets",
+        "Kafka",
+        "use asOf (a time), or readChanges=true with endingTime for the changes up to a time",
+    ),
     PeerName("maxOffsetsPerTrigger", "Kafka", "use maxRowsPerTrigger"),
     PeerName("minOffsetsPerTrigger", "Kafka", "persist has no minimum: use maxRowsPerTrigger"),
     PeerName("startingOffsetsByTimestamp", "Kafka", "use startingAsOf (a time)"),
@@ -137,7 +150,6 @@ PEER_NAMES: tuple[PeerName, ...] = (
     PeerName("topic", "Kafka", "use shard (or .save(name))"),
     PeerName("kafka.bootstrap.servers", "Kafka", "use blob and consensus (see Locations)"),
     PeerName("versionAsOf", "Delta", "persist reads by time: use asOf (a time)"),
-    PeerName("readChangeFeed", "Delta", "a stream reads every change; a batch read uses asOf"),
     PeerName(
         "ignoreChanges",
         "Delta",
@@ -183,6 +195,9 @@ class PersistOptions:
     starting_as_of: int | None = None
     starting_time: int | None = None
     starting_seqno: int | None = None
+    read_changes: bool = False
+    ending_time: int | None = None
+    ending_seqno: int | None = None
     as_of: int | None = None
     max_bytes: int | None = None
     max_files: int | None = None
@@ -239,8 +254,14 @@ class PersistOptions:
         if len(starts) > 1:
             raise InvalidUsage(
                 f"persist: {' and '.join(starts)} contradict each other (each says where the "
-                "stream starts); give one"
+                "read starts); give one"
             )
+        read_changes = _bool(opts, said, READ_CHANGES, default=False)
+        ending_time = _time(opts, said, ENDING_TIME)
+        if ending_time is not None and said[ENDING_TIME] == "endingTimestamp":
+            ending_time += 1  # Delta's end is inclusive, persist's endingTime exclusive
+        ending_seqno = _int(opts, said, ENDING_SEQNO, minimum=1)
+        _check_change_range(opts, said, purpose, read_changes)
         limits = [said[k] for k in (MAX_BYTES, MAX_FILES, MAX_ROWS) if opts.get(k)]
         if len(limits) > 1:
             raise InvalidUsage(
@@ -257,6 +278,9 @@ class PersistOptions:
             starting_as_of=starting_as_of,
             starting_time=starting_time,
             starting_seqno=starting_seqno,
+            read_changes=read_changes,
+            ending_time=ending_time,
+            ending_seqno=ending_seqno,
             as_of=_time(opts, said, AS_OF),
             max_bytes=_size(opts, said, MAX_BYTES),
             max_files=_int(opts, said, MAX_FILES, minimum=1),
@@ -270,6 +294,37 @@ class PersistOptions:
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
             said={k: v for k, v in said.items() if k in opts},
         )
+
+
+def _check_change_range(
+    opts: Mapping[str, str], said: Mapping[str, str], purpose: Purpose, read_changes: bool
+) -> None:
+    """A batch read's range options need readChanges; a change range has one start and one end."""
+    if purpose != "read":
+        return
+    bounds = [
+        said[k] for k in (STARTING_TIME, STARTING_SEQNO, ENDING_TIME, ENDING_SEQNO) if opts.get(k)
+    ]
+    if not read_changes:
+        if bounds:
+            raise InvalidUsage(
+                f"persist: {', '.join(bounds)} bound(s) a change range: add "
+                '.option("readChanges", "true") for the changes, or use asOf for the '
+                "collection at one time"
+            )
+        return
+    if opts.get(AS_OF):
+        raise InvalidUsage(
+            f"persist: {said[AS_OF]} and {said[READ_CHANGES]} contradict each other: asOf reads "
+            "the collection at one time, readChanges the changes between two; use "
+            "startingTime/endingTime with readChanges"
+        )
+    for a, b in ((STARTING_TIME, STARTING_SEQNO), (ENDING_TIME, ENDING_SEQNO)):
+        if opts.get(a) and opts.get(b):
+            raise InvalidUsage(
+                f"persist: {said[a]} and {said[b]} contradict each other (both bound the same "
+                "end of the change range); give one"
+            )
 
 
 def _refuse_misplaced(given: Mapping[str, str], purpose: Purpose) -> None:

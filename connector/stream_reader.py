@@ -52,6 +52,7 @@ from pyspark_persist.options import (
 )
 from pyspark_persist.source import blob_for
 from pyspark_persist.state import retry
+from pyspark_persist.state.changes import change_parts
 from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
@@ -357,14 +358,7 @@ class LeaseHolder:
     def _listen_parts(self, state: ShardState, lower: int, upper: int) -> list[LeasedPart]:
         self._reader.lease(state.seqno)
         self._remember(upper, state.seqno)
-        uri = self._client.blob.uri
-        return [
-            LeasedPart(state.shard_id, uri, p, lower, upper, None, state.seqno)
-            for b in state.trace
-            if b.upper > lower and b.lower < upper
-            for p in b.parts
-            if p.effective_max_time >= lower and p.effective_min_time < upper
-        ]
+        return list(change_parts(state, lower, upper, self._client.blob.uri))
 
     def _remember(self, end_upper: int, seqno: int) -> None:
         with self._lock:

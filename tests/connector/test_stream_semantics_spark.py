@@ -172,3 +172,33 @@ def test_starting_timestamp_or_version_streams_changes_without_the_snapshot(
     ):
         got = [r for b in run_available_now(spark, shard, tmp_path / name, option) for r in b]
         assert Counter((r["id"], r["s"], r["_time"], r["_diff"]) for r in got) == want, name
+
+
+def test_batch_change_feed_between_two_times_or_versions(spark: SparkSession) -> None:
+    """Item 7: readChangeFeed with a start and end (times or versions) returns each update in the
+    range with its own _time and _diff, an insert and its retraction both; below since: an
+    error naming both frontiers."""
+    shard = new_shard()
+    write_at(shard, rows(range(0, 50)), NOV_20)
+    write_at(shard, rows(range(50, 80)), NOV_20 + DAY)
+    nov_21_seqno = shard.state().seqno
+    write_at(shard, rows(range(50, 60), diff=-1), NOV_20 + 2 * DAY)
+
+    def feed(**options: str) -> Counter[tuple[int, int, int]]:
+        df = spark.read.format("persist").options(readChangeFeed="true", **options)
+        return Counter((r["id"], r["_time"], r["_diff"]) for r in df.load(shard.name).collect())
+
+    nov21 = Counter((i, NOV_20 + DAY, 1) for i in range(50, 80))
+    nov22 = Counter((i, NOV_20 + 2 * DAY, -1) for i in range(50, 60))
+    assert feed(startingTimestamp="2026-11-21") == nov21 + nov22
+    assert feed(startingTimestamp="2026-11-21", endingTimestamp="2026-11-21") == nov21
+    assert feed(startingVersion=str(nov_21_seqno), endingVersion=str(nov_21_seqno)) == nov21
+    # The batch reads above hold since for their lease: another shard shows the error.
+    shard = new_shard()
+    write_at(shard, rows(range(0, 50)), NOV_20)
+    write_at(shard, rows(range(50, 60), diff=-1), NOV_20 + 2 * DAY)
+    with shard.reader() as r:
+        r.downgrade_since(NOV_20 + DAY)
+    msg = error_of(lambda: feed(startingTimestamp="2026-11-20"))
+    assert "readChangeFeed: the range" in msg and "reaches before the since" in msg
+    assert f"[since, upper) = [{NOV_20 + DAY}, {NOV_20 + 2 * DAY + 1})" in msg

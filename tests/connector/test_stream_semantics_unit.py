@@ -248,3 +248,75 @@ def test_starting_time_or_seqno_outside_the_kept_past_is_refused() -> None:
     lenient.stop()
     with pytest.raises(InvalidUsage, match="startingAsOf and startingTimestamp contradict"):
         env.reader(startingAsOf="1", startingTimestamp="2")
+
+
+# --- item 7: the batch change feed ------------------------------------------------------------
+
+
+def read_changes(env: Env, **options: str) -> list[tuple[int, str, int, int]]:
+    """A batch read with ``options`` as Spark runs it (partitions on the driver, read on
+    executors after a pickle round trip): sorted (id, s, _time, _diff)."""
+    import pickle
+
+    from pyspark_persist.batch_reader import make_batch_reader
+
+    reader = make_batch_reader(env.options("read", **options), read_schema(SCHEMA))
+    remote = pickle.loads(pickle.dumps(reader))
+    out = [
+        (r["id"], r["s"], r["_time"], r["_diff"])
+        for p in reader.partitions()
+        for b in remote.read(pickle.loads(pickle.dumps(p)))
+        for r in b.to_pylist()
+    ]
+    return sorted(out)
+
+
+def changes(table: pa.Table, t: int) -> list[tuple[int, str, int, int]]:
+    """``table``'s updates as the change feed shows them at time ``t``."""
+    return [(r["id"], r["s"], t, r["_diff"]) for r in table.to_pylist()]
+
+
+def test_change_feed_returns_every_update_in_range_unconsolidated() -> None:
+    """readChanges / readChangeFeed with times or SeqNos: each update in [from, to) with its own
+    time; an insert and its retraction both show (nothing consolidated away)."""
+    env = Env()
+    seqnos = _three_days(env)
+    nov21 = changes(rows(range(50, 80)), NOV_20 + DAY)
+    nov22 = changes(rows(range(0, 10), diff=-1), NOV_20 + 2 * DAY)
+    everything = sorted(changes(rows(range(0, 50)), NOV_20) + nov21 + nov22)
+    assert read_changes(env, readChanges="true") == everything
+    assert read_changes(env, readChangeFeed="true", startingTimestamp="2026-11-21") == sorted(
+        nov21 + nov22
+    )
+    assert read_changes(
+        env, readChanges="true", startingTime="2026-11-21", endingTime="2026-11-22"
+    ) == sorted(nov21)
+    # Delta's endingTimestamp is inclusive: the changes at that instant are in.
+    assert read_changes(env, readChangeFeed="true", endingTimestamp=str(NOV_20 + DAY)) == sorted(
+        changes(rows(range(0, 50)), NOV_20) + nov21
+    )
+    # Versions are SeqNos, both ends inclusive as in Delta.
+    assert read_changes(
+        env, readChangeFeed="true", startingVersion=str(seqnos[1]), endingVersion=str(seqnos[1])
+    ) == sorted(nov21)
+    assert read_changes(env, readChanges="true", startingSeqNo=str(seqnos[2])) == sorted(nov22)
+
+
+def test_change_feed_refuses_ranges_before_since_and_bad_combinations() -> None:
+    """Below since the changes were merged: an error naming both frontiers; range options
+    without readChanges, or with asOf, are refused with the fix."""
+    env = Env()
+    _three_days(env)
+    with env.shard.reader() as r:
+        r.downgrade_since(NOV_20 + DAY)
+    with pytest.raises(InvalidFrontier, match=r"readChangeFeed: the range .* before the since"):
+        read_changes(env, readChangeFeed="true", startingTimestamp="2026-11-21")
+    assert read_changes(env, readChangeFeed="true", startingTimestamp=str(NOV_20 + DAY + 1)) == (
+        sorted(changes(rows(range(0, 10), diff=-1), NOV_20 + 2 * DAY))
+    )
+    with pytest.raises(InvalidUsage, match=r"startingTime bound\(s\) a change range: add"):
+        env.options("read", startingTime="5")
+    with pytest.raises(InvalidUsage, match="asOf and readChanges contradict"):
+        env.options("read", readChanges="true", asOf="5")
+    with pytest.raises(InvalidUsage, match="endingTimestamp and endingVersion contradict"):
+        env.options("read", readChangeFeed="true", endingTimestamp="5", endingVersion="2")
