@@ -46,6 +46,7 @@ STARTING_SEQNO = "startingseqno"
 READ_CHANGES = "readchanges"
 ENDING_TIME = "endingtime"
 ENDING_SEQNO = "endingseqno"
+HISTORY = "history"
 AS_OF = "asof"
 MAX_BYTES = "maxbytespertrigger"
 MAX_FILES = "maxfilespertrigger"
@@ -99,6 +100,7 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("endingTimestamp", ENDING_TIME, _READ),  # Delta's name: inclusive, so + 1
     OptionName("endingSeqNo", ENDING_SEQNO, _READ),
     OptionName("endingVersion", ENDING_SEQNO, _READ),  # Delta's name
+    OptionName("history", HISTORY, _READ),
     OptionName("asOf", AS_OF, _READ),
     OptionName("timestampAsOf", AS_OF, _READ),  # Delta's name
     OptionName("maxBytesPerTrigger", MAX_BYTES, _STREAM_READ),
@@ -198,6 +200,7 @@ class PersistOptions:
     read_changes: bool = False
     ending_time: int | None = None
     ending_seqno: int | None = None
+    history: bool = False
     as_of: int | None = None
     max_bytes: int | None = None
     max_files: int | None = None
@@ -262,6 +265,7 @@ class PersistOptions:
             ending_time += 1  # Delta's end is inclusive, persist's endingTime exclusive
         ending_seqno = _int(opts, said, ENDING_SEQNO, minimum=1)
         _check_change_range(opts, said, purpose, read_changes)
+        _check_history(opts, said)
         limits = [said[k] for k in (MAX_BYTES, MAX_FILES, MAX_ROWS) if opts.get(k)]
         if len(limits) > 1:
             raise InvalidUsage(
@@ -281,6 +285,7 @@ class PersistOptions:
             read_changes=read_changes,
             ending_time=ending_time,
             ending_seqno=ending_seqno,
+            history=_bool(opts, said, HISTORY, default=False),
             as_of=_time(opts, said, AS_OF),
             max_bytes=_size(opts, said, MAX_BYTES),
             max_files=_int(opts, said, MAX_FILES, minimum=1),
@@ -293,6 +298,19 @@ class PersistOptions:
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
             said={k: v for k, v in said.items() if k in opts},
+        )
+
+
+def _check_history(opts: Mapping[str, str], said: Mapping[str, str]) -> None:
+    """history=true reads the commits, not data: a time or range option makes no sense with it."""
+    if not _bool(opts, said, HISTORY, default=False):
+        return
+    data = [said[k] for k in (AS_OF, READ_CHANGES, STARTING_TIME, STARTING_SEQNO) if opts.get(k)]
+    data += [said[k] for k in (ENDING_TIME, ENDING_SEQNO, FILTER_PUSHDOWN) if opts.get(k)]
+    if data:
+        raise InvalidUsage(
+            f"persist: history reads the shard's commits, so {', '.join(data)} do(es) not apply: "
+            "drop them, or drop history to read data"
         )
 
 

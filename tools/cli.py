@@ -8,6 +8,7 @@ Commands::
     persist inspect NAME [--json]                        # the same, shorter
     persist shards show NAME [--as-of T] [--limit N] [--json]   # contents as of a time
     persist shards tail NAME [--as-of T] [--json]        # follow changes as they commit
+    persist shards history NAME [--limit N] [--json]     # each commit: operation, writer, rows
     persist shards compact NAME [--dry-run] [--json]     # compaction now
     persist shards gc NAME [--dry-run] [--json]          # GC now (with the orphan sweep)
     persist shards drop NAME [--yes] [--force] [--json]  # delete the shard
@@ -343,6 +344,57 @@ def format_list(listing: dict[str, Any]) -> str:
         ],
     )
     return f"{table}\n{len(rows)} shard(s) in consensus {listing['consensus']}"
+
+
+def shard_history(where: Location, name: str, limit: int | None) -> dict[str, Any]:
+    """The newest ``limit`` commits of ``name`` (what ``shards history`` prints), read-only."""
+    with _shard(where, name) as (_client, shard):
+        commits = shard.history()
+        oldest = commits[0].seqno if commits else None
+    kept = commits if limit is None else commits[-limit:] if limit else []
+    return {
+        "shard": name,
+        "oldest_seqno": oldest,
+        "commits": [c.to_dict() for c in reversed(kept)],
+        "total": len(commits),
+    }
+
+
+def format_history(result: dict[str, Any]) -> str:
+    """The readable form of :func:`shard_history`: newest first, one line per commit."""
+    rows = result["commits"]
+    if not rows:
+        return f"shard {result['shard']!r}: no commits kept"
+    table = _table(
+        ["SEQNO", "OPERATION", "COMMITTED", "WRITER", "TIMES", "PARTS", "ADDED", "RETRACTED"],
+        [
+            [
+                c["seqno"],
+                c["operation"],
+                "" if c["committed_ms"] is None else _iso(c["committed_ms"]),
+                c["writer_id"] or "",
+                f"[{c['lower']}, {c['upper']})",
+                c["parts"],
+                _history_sizes(c, "added"),
+                _history_sizes(c, "retracted"),
+            ]
+            for c in rows
+        ],
+    )
+    return (
+        f"{table}\n{len(rows)} of {result['total']} commit(s) of shard {result['shard']!r} "
+        f"(Consensus keeps them from SeqNo {result['oldest_seqno']} on; GC truncates older ones)"
+    )
+
+
+def _history_sizes(c: dict[str, Any], kind: str) -> str:
+    """``rows (size)``, or for a compaction ``before -> after`` rows; mixed parts noted."""
+    if c["operation"] == "compaction":
+        return f"{c['rows_before']} -> {c['rows_after']} rows" if kind == "added" else ""
+    text = f"{c[f'rows_{kind}']} ({_size(c[f'bytes_{kind}'])})"
+    if kind == "added" and c["rows_mixed"]:
+        text += f" + {c['rows_mixed']} mixed"
+    return text
 
 
 def _advertised_pubsub(consensus_uri: str) -> dict[str, Any] | None:
@@ -1040,6 +1092,25 @@ def shards_show(name: str, as_of: int | None, limit: int, as_json: bool) -> int:
     if as_json:
         del result["columns"]
     return _emit(result, as_json, format_show)
+
+
+@shards.command("history", short_help="List a shard's commits, newest first.")
+@_location_options
+@click.argument("name", metavar="NAME")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="print the newest N commits (default: all Consensus keeps)",
+)
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def shards_history(name: str, limit: int | None, as_json: bool) -> int:
+    """List a shard's commits, newest first: SeqNo, operation (create, append, overwrite,
+    compaction), commit time, writer, the times it covers, rows and bytes added and retracted.
+    Read from the state diffs Consensus keeps: GC truncates those below the oldest SeqNo a
+    reader holds, so older commits are no longer listed (their data stays, compacted)."""
+    return _emit(shard_history(_where(), name, limit), as_json, format_history)
 
 
 @shards.command("tail", short_help="Follow a shard's changes as they commit.")

@@ -202,3 +202,20 @@ def test_batch_change_feed_between_two_times_or_versions(spark: SparkSession) ->
     msg = error_of(lambda: feed(startingTimestamp="2026-11-20"))
     assert "readChangeFeed: the range" in msg and "reaches before the since" in msg
     assert f"[since, upper) = [{NOV_20 + DAY}, {NOV_20 + 2 * DAY + 1})" in msg
+
+
+def test_history_is_a_dataframe_of_commits(spark: SparkSession) -> None:
+    """Item 5: option("history", "true") reads the shard's commits (Delta's DESCRIBE HISTORY)
+    after Spark writes: one append per batch write, the overwrite, with rows and writer."""
+    shard = new_shard()
+    df = spark.createDataFrame([(i, f"v{i}") for i in range(20)], "id long, s string")
+    df.write.format("persist").mode("append").save(shard.name)
+    df.limit(5).write.format("persist").mode("overwrite").save(shard.name)
+    history = spark.read.format("persist").option("history", "true").load(shard.name)
+    assert history.columns[:4] == ["seqno", "operation", "committed_ms", "writer_id"]
+    rows = history.where("operation != 'create'").orderBy("seqno").collect()
+    assert [(r["operation"], r["rows_added"], r["rows_retracted"]) for r in rows] == [
+        ("append", 20, 0),
+        ("overwrite", 5, 20),
+    ]
+    assert all(r["writer_id"] and r["committed_ms"] > 0 for r in rows)

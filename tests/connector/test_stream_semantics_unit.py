@@ -320,3 +320,32 @@ def test_change_feed_refuses_ranges_before_since_and_bad_combinations() -> None:
         env.options("read", readChanges="true", asOf="5")
     with pytest.raises(InvalidUsage, match="endingTimestamp and endingVersion contradict"):
         env.options("read", readChangeFeed="true", endingTimestamp="5", endingVersion="2")
+
+
+# --- item 5: history as a read --------------------------------------------------------------
+
+
+def test_history_read_gives_one_row_per_commit_in_the_history_schema() -> None:
+    """history=true: the commits (Shard.history) as Arrow rows of exactly HISTORY_SCHEMA;
+    data options with it are refused."""
+    import pickle
+
+    from pyspark_persist.history_reader import HISTORY_SCHEMA, PersistHistoryReader
+    from pyspark_persist.schema import output_arrow_schema
+
+    env = Env()
+    _three_days(env)
+    reader = PersistHistoryReader(env.options("read", history="true"))
+    remote = pickle.loads(pickle.dumps(reader))
+    batches = [b for p in reader.partitions() for b in remote.read(pickle.loads(pickle.dumps(p)))]
+    assert all(b.schema == output_arrow_schema(HISTORY_SCHEMA) for b in batches)
+    got = [r for b in batches for r in b.to_pylist()]
+    assert got == [c.to_dict() for c in env.shard.history()]
+    data = [(r["operation"], r["lower"], r["rows_added"], r["rows_retracted"]) for r in got]
+    assert [d for d in data if d[2] or d[3]] == [
+        ("append", NOV_20, 50, 0),
+        ("append", NOV_20 + DAY, 30, 0),
+        ("append", NOV_20 + 2 * DAY, 0, 10),
+    ]
+    with pytest.raises(InvalidUsage, match="history reads the shard's commits, so asOf"):
+        env.options("read", history="true", asOf="3")
