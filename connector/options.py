@@ -47,6 +47,7 @@ READ_CHANGES = "readchanges"
 ENDING_TIME = "endingtime"
 ENDING_SEQNO = "endingseqno"
 HISTORY = "history"
+METRICS_FILE = "metricsfile"
 AS_OF = "asof"
 MAX_BYTES = "maxbytespertrigger"
 MAX_FILES = "maxfilespertrigger"
@@ -109,6 +110,7 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("splitSizeBytes", SPLIT_SIZE, _READS),
     OptionName("minPartitions", MIN_PARTITIONS, _READS),
     OptionName("failOnDataLoss", FAIL_ON_DATA_LOSS, _STREAM_READ),
+    OptionName("metricsFile", METRICS_FILE, _STREAM_READ),
     OptionName("filterPushdown", FILTER_PUSHDOWN, _READ),
     OptionName("writerId", WRITER_ID, _WRITES),
     OptionName("partSizeBytes", PART_SIZE, _WRITES),
@@ -201,6 +203,7 @@ class PersistOptions:
     ending_time: int | None = None
     ending_seqno: int | None = None
     history: bool = False
+    metrics_file: str | None = None
     as_of: int | None = None
     max_bytes: int | None = None
     max_files: int | None = None
@@ -286,6 +289,7 @@ class PersistOptions:
             ending_time=ending_time,
             ending_seqno=ending_seqno,
             history=_bool(opts, said, HISTORY, default=False),
+            metrics_file=opts.get(METRICS_FILE) or None,
             as_of=_time(opts, said, AS_OF),
             max_bytes=_size(opts, said, MAX_BYTES),
             max_files=_int(opts, said, MAX_FILES, minimum=1),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ from pyspark_persist.options import (
 )
 from pyspark_persist.source import blob_for
 from pyspark_persist.state import retry
-from pyspark_persist.state.changes import change_parts
+from pyspark_persist.state.changes import Behind, behind, change_parts
 from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
@@ -227,6 +228,8 @@ class LeaseHolder:
         self.holds = HoldUpdater(self._reader)
         self._lock = threading.Lock()
         self._leased: dict[int, list[int]] = {}  # end upper -> SeqNos leased for that batch
+        self._figures: dict[int, dict[str, Any]] = {}  # end upper -> that batch's figures
+        self._last_end: Offset | None = None
         self.available_now_upper: int | None = None
 
     @property
@@ -299,6 +302,16 @@ class LeaseHolder:
 
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         """The end of the next micro-batch: everything available, cut by the read limit."""
+        began = time.perf_counter()
+        end = self._latest_offset(start, limit)
+        if end != start:
+            self._last_end = end
+            with self._lock:
+                figures = self._figures.setdefault(end.upper, {})
+                figures["latest_offset_ms"] = round((time.perf_counter() - began) * 1000, 3)
+        return end
+
+    def _latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         self.holds.check()
         state = self.current_state()
         target = state.upper
@@ -322,8 +335,39 @@ class LeaseHolder:
         state = self.current_state()
         return Offset(state.shard_id, state.seqno, state.upper, "listen")
 
+    def report_latest(self) -> dict[str, Any]:
+        """The newest offset with ``behind``: what is left to read once the micro-batch being
+        planned is done (the only figure a Python source can add to Spark's progress)."""
+        state = self.machine.state()
+        latest = Offset(state.shard_id, state.seqno, state.upper, "listen").to_dict()
+        latest["behind"] = self._behind(state, self._last_end).to_dict()
+        return latest
+
+    @staticmethod
+    def _behind(state: ShardState, end: Offset | None) -> Behind:
+        """What a query that has read up to ``end`` (nothing: None) still has to read."""
+        if end is None or end.phase == "snapshot":
+            return behind(state, 0)
+        return behind(state, end.upper)
+
     def plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         """Lease and split the parts of ``(start, end]``; held until ``commit(end)``."""
+        began = time.perf_counter()
+        partitions = self._plan(start, end)
+        parts = [p.part for partition in partitions for p in partition.leased_parts()]
+        with self._lock:
+            figures = self._figures.pop(end.upper, {})
+            for u in [u for u in self._figures if u < end.upper]:
+                del self._figures[u]  # ends Spark asked for but planned another way
+        figures["partitions_ms"] = round((time.perf_counter() - began) * 1000, 3)
+        figures["tasks"] = len(partitions)
+        figures["parts"] = len(parts)
+        figures["planned_bytes"] = sum(p.size_bytes for p in parts)
+        figures["planned_rows"] = sum(p.rows for p in parts)
+        self._record(end, figures)
+        return partitions
+
+    def _plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         self.holds.check()
         if end.upper <= start.upper and start.phase == "listen":
             return []
@@ -376,6 +420,23 @@ class LeaseHolder:
         for s in seqnos:
             self._reader.release(s)
         self.holds.request(end.upper - 1 if end.phase == "listen" and end.upper > 0 else None)
+
+    def _record(self, end: Offset, figures: dict[str, Any]) -> None:
+        """Log a planned micro-batch's figures and the lag left after it; append them to
+        metricsFile. At planning, because Spark reports the end of the last micro-batch of
+        an AvailableNow query to nobody (its commit() never comes)."""
+        state = self.machine.state()
+        line = {
+            "shard": self._opts.shard,
+            "end": end.to_dict(),
+            **figures,
+            "upper": state.upper,
+            "behind": self._behind(state, end).to_dict(),
+        }
+        log.info("persist source micro-batch %s", json.dumps(line, sort_keys=True))
+        if self._opts.metrics_file:
+            with self._lock, open(self._opts.metrics_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line, sort_keys=True) + "\n")
 
     def close(self) -> None:
         """Expire the reader now (Spark stopped the query)."""
@@ -474,8 +535,9 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable()
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
-        """The newest offset, so Spark's progress shows how far behind the query is."""
-        return self.holder.latest_available().to_dict()
+        """The newest offset with what is left to read (``behind``: rows, bytes, parts, times),
+        so Spark's progress (``sources[].latestOffset``) shows how far behind the query is."""
+        return self.holder.report_latest()
 
     def prepareForTriggerAvailableNow(self) -> None:
         """Trigger.AvailableNow: stop at the upper seen now."""

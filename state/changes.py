@@ -12,10 +12,13 @@ are kept apart only from ``since`` on: a range is exact when its ``lower`` is
 0 (everything, with the compacted updates at ``since``) or past ``since``,
 and it must end past ``since`` and at most at ``upper`` (later times are not
 written yet). :func:`check_change_range` is that rule, with an error naming
-both frontiers; :func:`change_parts` the plan.
+both frontiers; :func:`change_parts` the plan. :func:`behind` is the other
+side: how much a reader at some time has still to read.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .errors import InvalidFrontier
 from .parts import LeasedPart
@@ -57,4 +60,34 @@ def change_parts(
         if b.upper > lower and b.lower < upper
         for p in b.parts
         if p.effective_max_time >= lower and p.effective_min_time < upper
+    )
+
+
+@dataclass(frozen=True)
+class Behind:
+    """How much of the shard a reader at ``lower`` has still to read, up to the upper.
+
+    Counted in whole batches: a batch compaction merged across ``lower`` counts
+    in full, so this is an upper bound (exact when batches are as written).
+    ``times`` is ``upper - lower``: milliseconds for Spark-written shards.
+    """
+
+    rows: int
+    bytes: int
+    parts: int
+    times: int
+
+    def to_dict(self) -> dict[str, int]:
+        """A plain dict (for JSON)."""
+        return {"rows": self.rows, "bytes": self.bytes, "parts": self.parts, "times": self.times}
+
+
+def behind(state: ShardState, lower: Time) -> Behind:
+    """What lies in ``[lower, upper)`` (see :class:`Behind`); nothing when ``lower >= upper``."""
+    batches = [b for b in state.trace if b.upper > lower]
+    return Behind(
+        rows=sum(b.rows for b in batches),
+        bytes=sum(b.size_bytes for b in batches),
+        parts=sum(len(b.parts) for b in batches),
+        times=max(state.upper - lower, 0),
     )

@@ -219,3 +219,35 @@ def test_history_is_a_dataframe_of_commits(spark: SparkSession) -> None:
         ("overwrite", 5, 20),
     ]
     assert all(r["writer_id"] and r["committed_ms"] > 0 for r in rows)
+
+
+def test_lag_shows_in_streaming_progress_and_the_metrics_file(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Item 8: progress.sources[].latestOffset carries behind (rows, bytes, parts, times left
+    after each micro-batch); metricsFile gets one line per micro-batch."""
+    import json
+
+    shard = new_shard()
+    for k in range(3):
+        write_at(shard, rows(range(k * 100, k * 100 + 100)), NOV_20 + k * DAY)
+    path = tmp_path / "source-metrics.jsonl"
+    q = (
+        spark.readStream.format("persist")
+        .options(maxFilesPerTrigger="1", metricsFile=str(path))
+        .load(shard.name)
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert q.awaitTermination(180), "query did not finish"
+        progress = [p for p in q.recentProgress if p["numInputRows"] > 0]
+    finally:
+        q.stop()
+    latest = [json.loads(p["sources"][0]["latestOffset"]) for p in progress]
+    assert [p["numInputRows"] for p in progress] == [300]  # the snapshot, in one micro-batch
+    assert latest[-1]["behind"] == {"rows": 0, "bytes": 0, "parts": 0, "times": 0}
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines and lines[-1]["behind"]["rows"] == 0 and lines[-1]["planned_rows"] == 300

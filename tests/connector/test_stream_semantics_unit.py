@@ -349,3 +349,37 @@ def test_history_read_gives_one_row_per_commit_in_the_history_schema() -> None:
     ]
     with pytest.raises(InvalidUsage, match="history reads the shard's commits, so asOf"):
         env.options("read", history="true", asOf="3")
+
+
+# --- item 8: lag ----------------------------------------------------------------------------
+
+
+def test_lag_is_reported_with_the_latest_offset_and_per_micro_batch(tmp_path: Any) -> None:
+    """reportLatestOffset carries what is left after the planned micro-batch; metricsFile gets
+    one line per micro-batch with its figures and the lag, down to nothing when caught up."""
+    import json
+
+    env = Env()
+    for k in range(3):
+        env.write_at(rows(range(k * 100, k * 100 + 100)), NOV_20 + k * DAY)
+    path = tmp_path / "source-metrics.jsonl"
+    reader = env.reader(startingTime=str(NOV_20), maxRowsPerTrigger="100", metricsFile=str(path))
+    start = reader.initialOffset()
+    reported = []
+    for _ in range(3):
+        end = reader.latestOffset(start, reader.getDefaultReadLimit())
+        reported.append(reader.reportLatestOffset() or {})
+        reader.partitions(start, end)
+        reader.commit(end)
+        start = end
+    reader.stop()
+    upper = NOV_20 + 2 * DAY + 1
+    assert [r["upper"] for r in reported] == [upper] * 3  # the newest offset, as before
+    assert [r["behind"]["rows"] for r in reported] == [200, 100, 0]
+    # Empty batches ride along with the data before them: ends at Nov 21 and Nov 22.
+    assert [r["behind"]["times"] for r in reported] == [DAY + 1, 1, 0]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["planned_rows"] for line in lines] == [100, 100, 100]
+    assert [line["behind"]["rows"] for line in lines] == [200, 100, 0]
+    assert all(line["tasks"] >= 1 and line["partitions_ms"] >= 0 for line in lines)
+    assert all("latest_offset_ms" in line and line["upper"] == upper for line in lines)

@@ -76,3 +76,24 @@ def test_ranges_the_shard_cannot_answer_name_both_frontiers(
     """Before since (merged away), past upper (not written), empty: refused, naming since/upper."""
     with pytest.raises(InvalidFrontier, match=message):
         check_change_range(STATE, lower, upper, "readChanges")
+
+
+@pytest.mark.parametrize(
+    ("lower", "rows", "parts", "times"),
+    [
+        (0, 40, 4, 40),
+        (10, 20, 2, 30),
+        (12, 20, 2, 28),
+        (30, 10, 1, 10),
+        (40, 0, 0, 0),
+        (45, 0, 0, 0),
+    ],
+)
+def test_behind_counts_whole_batches_from_lower_to_upper(
+    lower: int, rows: int, parts: int, times: int
+) -> None:
+    """What a reader at ``lower`` still has to read: batches ending after it, and the times."""
+    from pyspark_persist.state.changes import behind
+
+    got = behind(STATE, lower)
+    assert (got.rows, got.parts, got.times, got.bytes) == (rows, parts, times, parts * 100)
