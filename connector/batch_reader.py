@@ -1,5 +1,9 @@
 """``spark.read.format("persist")``: the collection at ``asOf``, split over tasks by bytes.
 
+With ``readChanges`` (Delta's ``readChangeFeed``) it is instead every update
+in a time range ``[start, end)``, each with its own ``_time`` and ``_diff``,
+nothing consolidated away (see :mod:`pyspark_persist.state.changes`).
+
 Each output row carries its multiplicity in ``_diff`` and ``_time = asOf``.
 When no part holds a retraction (append-only data, and the common case after
 an overwrite, whose retractions cancel at planning), parts are spread over
@@ -44,16 +48,27 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from pyspark_persist.options import PersistOptions
+from pyspark_persist.options import (
+    AS_OF,
+    ENDING_SEQNO,
+    READ_CHANGES,
+    STARTING_SEQNO,
+    PersistOptions,
+)
 from pyspark_persist.source import blob_for, client_for
+from pyspark_persist.state import retry
+from pyspark_persist.state.changes import change_parts, check_change_range
 from pyspark_persist.state.client import PersistClient
 from pyspark_persist.state.commands import heartbeat_leased_reader
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.consensus import open_consensus
-from pyspark_persist.state.errors import InvalidFrontier, LeaseExpired
+from pyspark_persist.state.errors import LeaseExpired
+from pyspark_persist.state.history import replay, state_at
+from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart, consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
+from pyspark_persist.state.times import check_readable
 from pyspark_persist.stream_reader import PersistInputPartition, split_parts
 
 log = logging.getLogger(__name__)
@@ -144,19 +159,18 @@ class PersistBatchReader(DataSourceReader):
         """Lease the snapshot at ``asOf`` and split it (driver)."""
         client = client_for(self._opts)
         shard = client.open_shard(self._opts.shard, create=False)
-        # Not heartbeated: Spark tells a batch reader nothing when its tasks finish, so the
-        # lease on what it planned simply runs out after reader_lease_s.
+        # The driver does not heartbeat: Spark tells a batch reader nothing when its tasks
+        # finish. The tasks heartbeat the lease while they run (BatchLease), and once they are
+        # done it runs out after leaseSeconds (default reader_lease_s).
         reader = ReadHandle(shard.machine, shard.schema, lease_s=self._opts.lease_seconds)
+        if self._opts.read_changes:
+            return self._change_partitions(shard.machine, client.blob.uri)
         as_of = self._opts.as_of
         if as_of is None:
             as_of = reader.latest_as_of()
         state = shard.machine.fetch_latest()
-        if as_of < state.since or as_of >= state.upper:
-            raise InvalidFrontier(
-                f"persist: asOf {as_of} is outside the readable times [{state.since}, "
-                f"{state.upper - 1}] of shard {self._opts.shard!r}: pick a time in that range "
-                "(earlier times were compacted away)"
-            )
+        name = f"persist: {self._opts.spelled(AS_OF)}"
+        check_readable(as_of, state.since, state.upper, name, self._opts.shard)
         snap = reader.snapshot(as_of)
         parts = [p for p in snap.parts if not _skip(p.part, self._filters)]
         skipped = len(snap.parts) - len(parts)
@@ -168,6 +182,32 @@ class PersistBatchReader(DataSourceReader):
             return [ConsolidatingPartition(client.blob.uri, parts, lease)] if parts else []
         splits = split_parts(parts, self._opts.split_size_bytes, self._opts.min_partitions)
         return [BatchPartition(client.blob.uri, s, lease) for s in splits]
+
+    def _change_partitions(self, machine: Machine, blob_uri: str) -> Sequence[InputPartition]:
+        """readChanges: every update in [start, end) with its own time, unconsolidated.
+
+        The reader registered just before holds the state planned from (its SeqNo) and
+        its since, so neither GC nor compaction can take the range away meanwhile.
+        """
+        opts = self._opts
+        state = machine.state()
+        lower, upper = opts.starting_time or 0, opts.ending_time
+        if opts.starting_seqno is not None or opts.ending_seqno is not None:
+            with retry.deadline_in(machine.config.retry_timeout_s):
+                past = replay(opts.shard, machine.consensus, machine.blob)
+            if opts.starting_seqno is not None:
+                name = f"persist: {opts.spelled(STARTING_SEQNO)}"
+                lower = state_at(past, opts.starting_seqno - 1, name).upper
+            if opts.ending_seqno is not None:
+                upper = state_at(
+                    past, opts.ending_seqno, f"persist: {opts.spelled(ENDING_SEQNO)}"
+                ).upper
+        if upper is None:
+            upper = state.upper
+        check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
+        parts = change_parts(state, lower, upper, blob_uri)
+        splits = split_parts(parts, opts.split_size_bytes, opts.min_partitions)
+        return [PersistInputPartition(blob_uri, s) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Stream one task's parts as Arrow batches (executor)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pyspark_persist.state.client import (
@@ -30,6 +30,7 @@ from pyspark_persist.state.client import (
 )
 from pyspark_persist.state.errors import InvalidUri, InvalidUsage
 from pyspark_persist.state.registry import resolve
+from pyspark_persist.state.times import parse_time
 
 Purpose = Literal["read", "stream_read", "read_schema", "write", "stream_write"]
 
@@ -40,6 +41,13 @@ CONSENSUS = "consensus"
 PUBSUB = "pubsub"
 STARTING_POSITION = "startingposition"
 STARTING_AS_OF = "startingasof"
+STARTING_TIME = "startingtime"
+STARTING_SEQNO = "startingseqno"
+READ_CHANGES = "readchanges"
+ENDING_TIME = "endingtime"
+ENDING_SEQNO = "endingseqno"
+HISTORY = "history"
+METRICS_FILE = "metricsfile"
 AS_OF = "asof"
 MAX_BYTES = "maxbytespertrigger"
 MAX_FILES = "maxfilespertrigger"
@@ -86,13 +94,26 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("pubsub", PUBSUB, _ALL),
     OptionName("startingPosition", STARTING_POSITION, _STREAM_READ),
     OptionName("startingAsOf", STARTING_AS_OF, _STREAM_READ),
+    OptionName("startingTime", STARTING_TIME, _READS),
+    OptionName("startingTimestamp", STARTING_TIME, _READS),  # Delta's and Kafka's name
+    OptionName("startingSeqNo", STARTING_SEQNO, _READS),
+    OptionName("startingVersion", STARTING_SEQNO, _READS),  # Delta's name
+    OptionName("readChanges", READ_CHANGES, _READ),
+    OptionName("readChangeFeed", READ_CHANGES, _READ),  # Delta's name
+    OptionName("endingTime", ENDING_TIME, _READ),
+    OptionName("endingTimestamp", ENDING_TIME, _READ),  # Delta's name: inclusive, so + 1
+    OptionName("endingSeqNo", ENDING_SEQNO, _READ),
+    OptionName("endingVersion", ENDING_SEQNO, _READ),  # Delta's name
+    OptionName("history", HISTORY, _READ),
     OptionName("asOf", AS_OF, _READ),
+    OptionName("timestampAsOf", AS_OF, _READ),  # Delta's name
     OptionName("maxBytesPerTrigger", MAX_BYTES, _STREAM_READ),
     OptionName("maxFilesPerTrigger", MAX_FILES, _STREAM_READ),
     OptionName("maxRowsPerTrigger", MAX_ROWS, _STREAM_READ),
     OptionName("splitSizeBytes", SPLIT_SIZE, _READS),
     OptionName("minPartitions", MIN_PARTITIONS, _READS),
     OptionName("failOnDataLoss", FAIL_ON_DATA_LOSS, _STREAM_READ),
+    OptionName("metricsFile", METRICS_FILE, _STREAM_READ),
     OptionName("filterPushdown", FILTER_PUSHDOWN, _READ),
     OptionName("leaseSeconds", LEASE_SECONDS, _READ),
     OptionName("writerId", WRITER_ID, _WRITES),
@@ -107,6 +128,51 @@ SPELLING = {key: o.spelling for key, o in _BY_KEY.items()}
 """The user-facing spelling of every accepted (lower-cased) key, for messages and the README."""
 _SPARKS = frozenset({"path", "paths", CHECKPOINT, QUERY_NAME})
 """Names Spark itself passes: never listed as valid choices in a message."""
+
+
+@dataclass(frozen=True)
+class PeerName:
+    """An option name of a system users come from (Kafka, Delta, Spark's file sources) that
+    persist does not take, with the persist option (or way) that does what it did."""
+
+    spelling: str
+    system: str
+    hint: str
+
+
+PEER_NAMES: tuple[PeerName, ...] = (
+    PeerName(
+        "startingOffsets",
+        "Kafka",
+        "use startingPosition (earliest/latest) or startingAsOf (a time)",
+    ),
+    PeerName(
+        "endingOffsets",
+        "Kafka",
+        "use asOf (a time), or readChanges=true with endingTime for the changes up to a time",
+    ),
+    PeerName("maxOffsetsPerTrigger", "Kafka", "use maxRowsPerTrigger"),
+    PeerName("minOffsetsPerTrigger", "Kafka", "persist has no minimum: use maxRowsPerTrigger"),
+    PeerName("startingOffsetsByTimestamp", "Kafka", "use startingAsOf (a time)"),
+    PeerName("subscribe", "Kafka", "use shard (or .load(name))"),
+    PeerName("subscribePattern", "Kafka", "a query reads one shard: use shard"),
+    PeerName("assign", "Kafka", "a query reads one shard: use shard"),
+    PeerName("topic", "Kafka", "use shard (or .save(name))"),
+    PeerName("kafka.bootstrap.servers", "Kafka", "use blob and consensus (see Locations)"),
+    PeerName("versionAsOf", "Delta", "persist reads by time: use asOf (a time)"),
+    PeerName(
+        "ignoreChanges",
+        "Delta",
+        "persist streams every change, retractions included (_diff -1): nothing to ignore",
+    ),
+    PeerName("ignoreDeletes", "Delta", "persist streams retractions as rows with _diff -1"),
+    PeerName("skipChangeCommits", "Delta", "filter _diff > 0 to keep only insertions"),
+    PeerName("replaceWhere", "Delta", 'mode("overwrite") replaces the whole shard'),
+    PeerName("maxFileAge", "Spark's file source", "use startingAsOf (a time)"),
+    PeerName("latestFirst", "Spark's file source", "persist reads in time order"),
+)
+"""Peer names that get a "did you mean" naming persist's option (matched lower-cased)."""
+_PEERS = {p.spelling.lower(): p for p in PEER_NAMES}
 
 
 _LABELS: dict[Purpose, str] = {
@@ -137,6 +203,13 @@ class PersistOptions:
     pubsub: str | None = None
     starting_position: Literal["earliest", "latest"] = "earliest"
     starting_as_of: int | None = None
+    starting_time: int | None = None
+    starting_seqno: int | None = None
+    read_changes: bool = False
+    ending_time: int | None = None
+    ending_seqno: int | None = None
+    history: bool = False
+    metrics_file: str | None = None
     as_of: int | None = None
     max_bytes: int | None = None
     max_files: int | None = None
@@ -150,6 +223,12 @@ class PersistOptions:
     checkpoint_location: str | None = None
     filter_pushdown: bool = False
     lease_seconds: int | None = None
+    said: Mapping[str, str] = field(default_factory=dict)
+    """The option name the user gave each setting by (an alias, or persist's own name)."""
+
+    def spelled(self, setting: str) -> str:
+        """How to name ``setting`` in a message: as the user named it."""
+        return self.said.get(setting, SPELLING[setting])
 
     @classmethod
     def parse(cls, options: Mapping[str, str], purpose: Purpose) -> PersistOptions:
@@ -178,11 +257,26 @@ class PersistOptions:
                 f"persist: startingPosition={position!r}: use 'earliest' (the snapshot, then "
                 "changes) or 'latest' (only new changes); for a time use startingAsOf"
             )
-        starting_as_of = _int(opts, said, STARTING_AS_OF)
-        if starting_as_of is not None and STARTING_POSITION in opts:
+        starting_as_of = _time(opts, said, STARTING_AS_OF)
+        starting_time = _time(opts, said, STARTING_TIME)
+        starting_seqno = _int(opts, said, STARTING_SEQNO, minimum=1)
+        starts = [
+            said[k]
+            for k in (STARTING_POSITION, STARTING_AS_OF, STARTING_TIME, STARTING_SEQNO)
+            if opts.get(k)
+        ]
+        if len(starts) > 1:
             raise InvalidUsage(
-                "persist: startingPosition and startingAsOf contradict each other; give one"
+                f"persist: {' and '.join(starts)} contradict each other (each says where the "
+                "read starts); give one"
             )
+        read_changes = _bool(opts, said, READ_CHANGES, default=False)
+        ending_time = _time(opts, said, ENDING_TIME)
+        if ending_time is not None and said[ENDING_TIME] == "endingTimestamp":
+            ending_time += 1  # Delta's end is inclusive, persist's endingTime exclusive
+        ending_seqno = _int(opts, said, ENDING_SEQNO, minimum=1)
+        _check_change_range(opts, said, purpose, read_changes)
+        _check_history(opts, said)
         limits = [said[k] for k in (MAX_BYTES, MAX_FILES, MAX_ROWS) if opts.get(k)]
         if len(limits) > 1:
             raise InvalidUsage(
@@ -205,7 +299,14 @@ class PersistOptions:
             pubsub=None if pubsub in (None, "", "off", "none") else pubsub,
             starting_position="latest" if position == "latest" else "earliest",
             starting_as_of=starting_as_of,
-            as_of=_int(opts, said, AS_OF),
+            starting_time=starting_time,
+            starting_seqno=starting_seqno,
+            read_changes=read_changes,
+            ending_time=ending_time,
+            ending_seqno=ending_seqno,
+            history=_bool(opts, said, HISTORY, default=False),
+            metrics_file=opts.get(METRICS_FILE) or None,
+            as_of=_time(opts, said, AS_OF),
             max_bytes=_size(opts, said, MAX_BYTES),
             max_files=_int(opts, said, MAX_FILES, minimum=1),
             max_rows=_int(opts, said, MAX_ROWS, minimum=1),
@@ -218,7 +319,52 @@ class PersistOptions:
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
             lease_seconds=_int(opts, said, LEASE_SECONDS, minimum=1),
+            said={k: v for k, v in said.items() if k in opts},
         )
+
+
+def _check_history(opts: Mapping[str, str], said: Mapping[str, str]) -> None:
+    """history=true reads the commits, not data: a time or range option makes no sense with it."""
+    if not _bool(opts, said, HISTORY, default=False):
+        return
+    data = [said[k] for k in (AS_OF, READ_CHANGES, STARTING_TIME, STARTING_SEQNO) if opts.get(k)]
+    data += [said[k] for k in (ENDING_TIME, ENDING_SEQNO, FILTER_PUSHDOWN) if opts.get(k)]
+    if data:
+        raise InvalidUsage(
+            f"persist: history reads the shard's commits, so {', '.join(data)} do(es) not apply: "
+            "drop them, or drop history to read data"
+        )
+
+
+def _check_change_range(
+    opts: Mapping[str, str], said: Mapping[str, str], purpose: Purpose, read_changes: bool
+) -> None:
+    """A batch read's range options need readChanges; a change range has one start and one end."""
+    if purpose != "read":
+        return
+    bounds = [
+        said[k] for k in (STARTING_TIME, STARTING_SEQNO, ENDING_TIME, ENDING_SEQNO) if opts.get(k)
+    ]
+    if not read_changes:
+        if bounds:
+            raise InvalidUsage(
+                f"persist: {', '.join(bounds)} bound(s) a change range: add "
+                '.option("readChanges", "true") for the changes, or use asOf for the '
+                "collection at one time"
+            )
+        return
+    if opts.get(AS_OF):
+        raise InvalidUsage(
+            f"persist: {said[AS_OF]} and {said[READ_CHANGES]} contradict each other: asOf reads "
+            "the collection at one time, readChanges the changes between two; use "
+            "startingTime/endingTime with readChanges"
+        )
+    for a, b in ((STARTING_TIME, STARTING_SEQNO), (ENDING_TIME, ENDING_SEQNO)):
+        if opts.get(a) and opts.get(b):
+            raise InvalidUsage(
+                f"persist: {said[a]} and {said[b]} contradict each other (both bound the same "
+                "end of the change range); give one"
+            )
 
 
 def _refuse_misplaced(given: Mapping[str, str], purpose: Purpose) -> None:
@@ -235,16 +381,39 @@ def _refuse_misplaced(given: Mapping[str, str], purpose: Purpose) -> None:
         if option is not None:
             where = sorted(_LABELS[p] for p in option.purposes)
             hints.append(f"{option.spelling} applies to {' and '.join(where)} only")
-            continue
-        close = difflib.get_close_matches(key, [o.lower() for o in valid], n=1, cutoff=0.75)
-        if close:
-            hints.append(f"{key}: did you mean {SPELLING[close[0]]}?")
-    names = ", ".join(SPELLING.get(k, k) for k in bad)
+        elif key in _PEERS:
+            peer = _PEERS[key]
+            hints.append(f"{peer.spelling} is {peer.system}'s option: {peer.hint}")
+        elif key.startswith("kafka."):
+            hints.append(
+                f"{key} configures a Kafka client: {_PEERS['kafka.bootstrap.servers'].hint}"
+            )
+        else:
+            choices = [o.lower() for o in valid] + list(_PEERS)
+            close = difflib.get_close_matches(key, choices, n=1, cutoff=0.75)
+            if close and close[0] in _PEERS:
+                peer = _PEERS[close[0]]
+                hints.append(f"{key}: {peer.system}'s {peer.spelling}? {peer.hint}")
+            elif close:
+                hints.append(f"{key}: did you mean {SPELLING[close[0]]}?")
+    names = ", ".join(_shown(k) for k in bad)
+    unknown = any(k not in _BY_KEY and k not in _PEERS for k in bad)
     raise InvalidUsage(
         f"persist: option(s) {names} not valid for {purpose.replace('_', ' ')}"
         + (f" ({'; '.join(hints)})" if hints else "")
         + f"; valid options: {', '.join(valid)}"
+        + (" (Spark hands option names to Python sources lower-cased)" if unknown else "")
     )
+
+
+def _shown(key: str) -> str:
+    """How a message spells a lower-cased key: persist's or a peer's documented spelling, else
+    as given (Spark lower-cases option names before a Python source sees them)."""
+    if key in SPELLING:
+        return SPELLING[key]
+    if key in _PEERS:
+        return _PEERS[key].spelling
+    return key
 
 
 def _settings(given: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -308,6 +477,17 @@ def _int(
     if value < minimum:
         raise InvalidUsage(f"persist: option {said[key]}={raw!r} must be at least {minimum}")
     return value
+
+
+def _time(opts: Mapping[str, str], said: Mapping[str, str], key: str) -> int | None:
+    """A time: epoch milliseconds, ``YYYY-MM-DD`` or ISO-8601 (see state/times.py)."""
+    raw = opts.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        return parse_time(raw, said[key])
+    except InvalidUsage as e:
+        raise InvalidUsage(f"persist: option {e}") from None
 
 
 def _size(opts: Mapping[str, str], said: Mapping[str, str], key: str) -> int | None:

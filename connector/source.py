@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from pyspark.sql.datasource import DataSource
+from pyspark.sql.datasource import DataSource, DataSourceReader
 from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
@@ -18,7 +18,6 @@ from pyspark_persist.state.blob import Blob, open_blob
 from pyspark_persist.state.client import PersistClient
 
 if TYPE_CHECKING:
-    from pyspark_persist.batch_reader import PersistBatchReader
     from pyspark_persist.stream_reader import PersistStreamReader
     from pyspark_persist.writer import PersistBatchWriter, PersistStreamWriter
 
@@ -72,14 +71,24 @@ class PersistDataSource(DataSource):
         from pyspark_persist.schema import read_schema
 
         opts = PersistOptions.parse(self.options, "read_schema")
+        if opts.history:
+            from pyspark_persist.history_reader import HISTORY_SCHEMA
+
+            return HISTORY_SCHEMA
         shard = client_for(opts).open_shard(opts.shard, create=False)
         return read_schema(shard.schema)
 
-    def reader(self, schema: StructType) -> PersistBatchReader:
-        """A batch reader of the consolidated collection at ``asOf``."""
+    def reader(self, schema: StructType) -> DataSourceReader:
+        """A batch reader of the consolidated collection at ``asOf`` (or of the changes, or
+        with ``history`` of the commits)."""
         from pyspark_persist.batch_reader import make_batch_reader
 
-        return make_batch_reader(PersistOptions.parse(self.options, "read"), schema)
+        opts = PersistOptions.parse(self.options, "read")
+        if opts.history:
+            from pyspark_persist.history_reader import PersistHistoryReader
+
+            return PersistHistoryReader(opts)
+        return make_batch_reader(opts, schema)
 
     def streamReader(self, schema: StructType) -> PersistStreamReader:
         """A streaming reader: the snapshot, then every change, with leases held by the driver."""

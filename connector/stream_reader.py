@@ -3,7 +3,9 @@
 Offsets are JSON ``{"shard", "seqno", "upper", "phase", "as_of"}``: every
 update with a time below ``upper`` has been emitted (``phase: "listen"``), or
 nothing has and the next micro-batch reads the snapshot (``phase:
-"snapshot"``, at ``as_of`` if the user asked for a time). ``seqno`` is the
+"snapshot"``, at ``as_of`` if the user asked for a time). A stream asked to
+start at a time or SeqNo without the snapshot (``startingTime``,
+``startingSeqNo``) starts in ``listen`` at that time. ``seqno`` is the
 state the offset was observed at. They are built only from values in state,
 so the same state always gives the same offset.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,13 +45,22 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from pyspark_persist.options import PersistOptions
+from pyspark_persist.options import (
+    STARTING_AS_OF,
+    STARTING_SEQNO,
+    STARTING_TIME,
+    PersistOptions,
+)
 from pyspark_persist.source import blob_for
-from pyspark_persist.state.errors import DataLoss, InvalidUsage
+from pyspark_persist.state import retry
+from pyspark_persist.state.changes import Behind, behind, change_parts
+from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage
+from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
+from pyspark_persist.state.times import check_readable, describe
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +228,8 @@ class LeaseHolder:
         self.holds = HoldUpdater(self._reader)
         self._lock = threading.Lock()
         self._leased: dict[int, list[int]] = {}  # end upper -> SeqNos leased for that batch
+        self._figures: dict[int, dict[str, Any]] = {}  # end upper -> that batch's figures
+        self._last_end: Offset | None = None
         self.available_now_upper: int | None = None
 
     @property
@@ -236,16 +250,68 @@ class LeaseHolder:
         state = self.current_state()
         if self._opts.starting_position == "latest":
             return Offset(state.shard_id, state.seqno, state.upper, "listen")
+        if self._opts.starting_time is not None or self._opts.starting_seqno is not None:
+            return self._changes_from(state)
         as_of = self._opts.starting_as_of
-        if as_of is not None and as_of < state.since:
-            as_of = self._data_loss(
-                f"startingAsOf {as_of} is before the shard's since {state.since} (compacted)",
-                state.since,
-            )
+        if as_of is not None:
+            try:
+                name = self._opts.spelled(STARTING_AS_OF)
+                check_readable(as_of, state.since, state.upper, name, state.shard_id)
+            except InvalidFrontier as e:
+                if as_of >= state.upper:
+                    raise InvalidFrontier(f"persist source: {e}") from None
+                as_of = self._data_loss(str(e), state.since)
         return Offset(state.shard_id, 0, 0, "snapshot", as_of)
+
+    def _changes_from(self, state: ShardState) -> Offset:
+        """startingTime T / startingSeqNo S: no snapshot, every change at a time from T on (or
+        committed from SeqNo S on: the times from the upper S - 1 left).
+
+        Exactly the changes after the collection at ``T - 1``, which must be readable: below
+        since, compaction has merged them with older ones (data loss).
+        """
+        if self._opts.starting_seqno is not None:
+            name = self._opts.spelled(STARTING_SEQNO)
+            what = f"{name} {self._opts.starting_seqno} (from the upper SeqNo"
+            what += f" {self._opts.starting_seqno - 1} left)"
+            with retry.deadline_in(self.machine.config.retry_timeout_s):
+                past = replay(state.shard_id, self.machine.consensus, self.machine.blob)
+            at = state_at(past, self._opts.starting_seqno - 1, f"persist source: {name}")
+            lower = at.upper
+            state = past.head if past.head.seqno > state.seqno else state
+        else:
+            lower = self._opts.starting_time or 0
+            what = self._opts.spelled(STARTING_TIME)
+        if lower > state.upper:
+            raise InvalidFrontier(
+                f"persist source: {what}: time {describe(lower)} is past the upper "
+                f"{describe(state.upper)} of shard {state.shard_id!r}: the changes from a time "
+                f"in [since, upper] = [{state.since}, {state.upper}] can be streamed; for only "
+                "new changes use "
+                "startingPosition=latest"
+            )
+        if 0 < lower and lower - 1 < state.since:
+            lower = self._data_loss(
+                f"{what}: time {describe(lower)} needs the collection as of {lower - 1}, "
+                f"before the since {state.since} (the changes in [since, upper] = "
+                f"[{state.since}, {state.upper}] are kept apart; older ones were compacted "
+                "together)",
+                state.since + 1,
+            )
+        return Offset(state.shard_id, state.seqno, lower, "listen")
 
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         """The end of the next micro-batch: everything available, cut by the read limit."""
+        began = time.perf_counter()
+        end = self._latest_offset(start, limit)
+        if end != start:
+            self._last_end = end
+            with self._lock:
+                figures = self._figures.setdefault(end.upper, {})
+                figures["latest_offset_ms"] = round((time.perf_counter() - began) * 1000, 3)
+        return end
+
+    def _latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         self.holds.check()
         state = self.current_state()
         target = state.upper
@@ -269,8 +335,39 @@ class LeaseHolder:
         state = self.current_state()
         return Offset(state.shard_id, state.seqno, state.upper, "listen")
 
+    def report_latest(self) -> dict[str, Any]:
+        """The newest offset with ``behind``: what is left to read once the micro-batch being
+        planned is done (the only figure a Python source can add to Spark's progress)."""
+        state = self.machine.state()
+        latest = Offset(state.shard_id, state.seqno, state.upper, "listen").to_dict()
+        latest["behind"] = self._behind(state, self._last_end).to_dict()
+        return latest
+
+    @staticmethod
+    def _behind(state: ShardState, end: Offset | None) -> Behind:
+        """What a query that has read up to ``end`` (nothing: None) still has to read."""
+        if end is None or end.phase == "snapshot":
+            return behind(state, 0)
+        return behind(state, end.upper)
+
     def plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         """Lease and split the parts of ``(start, end]``; held until ``commit(end)``."""
+        began = time.perf_counter()
+        partitions = self._plan(start, end)
+        parts = [p.part for partition in partitions for p in partition.leased_parts()]
+        with self._lock:
+            figures = self._figures.pop(end.upper, {})
+            for u in [u for u in self._figures if u < end.upper]:
+                del self._figures[u]  # ends Spark asked for but planned another way
+        figures["partitions_ms"] = round((time.perf_counter() - began) * 1000, 3)
+        figures["tasks"] = len(partitions)
+        figures["parts"] = len(parts)
+        figures["planned_bytes"] = sum(p.size_bytes for p in parts)
+        figures["planned_rows"] = sum(p.rows for p in parts)
+        self._record(end, figures)
+        return partitions
+
+    def _plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         self.holds.check()
         if end.upper <= start.upper and start.phase == "listen":
             return []
@@ -287,7 +384,7 @@ class LeaseHolder:
             parts = self._snapshot_parts(as_of)
         else:
             lower = start.upper
-            if lower - 1 < state.since:
+            if lower > 0 and lower - 1 < state.since:  # from 0 nothing was merged away
                 lower = self._data_loss(
                     f"times [{lower}, {state.since}] were compacted before this query read them",
                     state.since + 1,
@@ -305,14 +402,7 @@ class LeaseHolder:
     def _listen_parts(self, state: ShardState, lower: int, upper: int) -> list[LeasedPart]:
         state = self._reader.lease_state(state)  # in effect before any part is handed out
         self._remember(upper, state.seqno)
-        uri = self._client.blob.uri
-        return [
-            LeasedPart(state.shard_id, uri, p, lower, upper, None, state.seqno)
-            for b in state.trace
-            if b.upper > lower and b.lower < upper
-            for p in b.parts
-            if p.effective_max_time >= lower and p.effective_min_time < upper
-        ]
+        return list(change_parts(state, lower, upper, self._client.blob.uri))
 
     def _remember(self, end_upper: int, seqno: int) -> None:
         with self._lock:
@@ -330,6 +420,23 @@ class LeaseHolder:
         for s in seqnos:
             self._reader.release(s)
         self.holds.request(end.upper - 1 if end.phase == "listen" and end.upper > 0 else None)
+
+    def _record(self, end: Offset, figures: dict[str, Any]) -> None:
+        """Log a planned micro-batch's figures and the lag left after it; append them to
+        metricsFile. At planning, because Spark reports the end of the last micro-batch of
+        an AvailableNow query to nobody (its commit() never comes)."""
+        state = self.machine.state()
+        line = {
+            "shard": self._opts.shard,
+            "end": end.to_dict(),
+            **figures,
+            "upper": state.upper,
+            "behind": self._behind(state, end).to_dict(),
+        }
+        log.info("persist source micro-batch %s", json.dumps(line, sort_keys=True))
+        if self._opts.metrics_file:
+            with self._lock, open(self._opts.metrics_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line, sort_keys=True) + "\n")
 
     def close(self) -> None:
         """Expire the reader now (Spark stopped the query)."""
@@ -428,8 +535,9 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable()
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
-        """The newest offset, so Spark's progress shows how far behind the query is."""
-        return self.holder.latest_available().to_dict()
+        """The newest offset with what is left to read (``behind``: rows, bytes, parts, times),
+        so Spark's progress (``sources[].latestOffset``) shows how far behind the query is."""
+        return self.holder.report_latest()
 
     def prepareForTriggerAvailableNow(self) -> None:
         """Trigger.AvailableNow: stop at the upper seen now."""

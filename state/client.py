@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from . import commands
+from . import commands, retry
 from .blob import Blob, open_blob
 from .cache import PROCESS_CACHE, StateCache
 from .commands import CriticalSince, create_shard
@@ -23,6 +23,7 @@ from .errors import (
     ShardExists,
     ShardNotFound,
 )
+from .history import Commit, history, replay
 from .machine import DiffPublisher, Machine, Metrics, NoopPublisher, RunInfo
 from .maintenance import CompactionReport, GcReport, Maintenance
 from .parts import (
@@ -266,6 +267,13 @@ class Shard:
     def critical_reader(self, reader_id: str, opaque: int = 0) -> CriticalReader:
         """A since hold that never expires, moved only with its fencing token."""
         return CriticalReader(self.machine, reader_id, opaque)
+
+    @traced("Shard.history", "name")
+    def history(self) -> list[Commit]:
+        """Every commit still described by Consensus, oldest first (see state/history.py)."""
+        with retry.deadline_in(self.machine.config.retry_timeout_s):
+            past = replay(self.name, self.machine.consensus, self.machine.blob)
+        return history(past)
 
     @traced("Shard.compact", "name")
     def compact(self) -> list[CompactionReport]:

@@ -9,6 +9,7 @@ Commands::
     persist inspect NAME [--json]                        # the same, shorter
     persist shards show NAME [--as-of T] [--limit N] [--json]   # contents as of a time
     persist shards tail NAME [--as-of T] [--json]        # follow changes as they commit
+    persist shards history NAME [--limit N] [--json]     # each commit: operation, writer, rows
     persist shards compact NAME [--dry-run] [--json]     # compaction now
     persist shards gc NAME [--dry-run] [--json]          # GC now (with the orphan sweep)
     persist shards drop NAME [--yes] [--force] [--json]  # delete the shard
@@ -349,6 +350,57 @@ def format_list(listing: dict[str, Any]) -> str:
     return f"{table}\n{len(rows)} shard(s) in consensus {listing['consensus']}"
 
 
+def shard_history(where: Location, name: str, limit: int | None) -> dict[str, Any]:
+    """The newest ``limit`` commits of ``name`` (what ``shards history`` prints), read-only."""
+    with _shard(where, name) as (_client, shard):
+        commits = shard.history()
+        oldest = commits[0].seqno if commits else None
+    kept = commits if limit is None else commits[-limit:] if limit else []
+    return {
+        "shard": name,
+        "oldest_seqno": oldest,
+        "commits": [c.to_dict() for c in reversed(kept)],
+        "total": len(commits),
+    }
+
+
+def format_history(result: dict[str, Any]) -> str:
+    """The readable form of :func:`shard_history`: newest first, one line per commit."""
+    rows = result["commits"]
+    if not rows:
+        return f"shard {result['shard']!r}: no commits kept"
+    table = _table(
+        ["SEQNO", "OPERATION", "COMMITTED", "WRITER", "TIMES", "PARTS", "ADDED", "RETRACTED"],
+        [
+            [
+                c["seqno"],
+                c["operation"],
+                "" if c["committed_ms"] is None else _iso(c["committed_ms"]),
+                c["writer_id"] or "",
+                f"[{c['lower']}, {c['upper']})",
+                c["parts"],
+                _history_sizes(c, "added"),
+                _history_sizes(c, "retracted"),
+            ]
+            for c in rows
+        ],
+    )
+    return (
+        f"{table}\n{len(rows)} of {result['total']} commit(s) of shard {result['shard']!r} "
+        f"(Consensus keeps them from SeqNo {result['oldest_seqno']} on; GC truncates older ones)"
+    )
+
+
+def _history_sizes(c: dict[str, Any], kind: str) -> str:
+    """``rows (size)``, or for a compaction ``before -> after`` rows; mixed parts noted."""
+    if c["operation"] == "compaction":
+        return f"{c['rows_before']} -> {c['rows_after']} rows" if kind == "added" else ""
+    text = f"{c[f'rows_{kind}']} ({_size(c[f'bytes_{kind}'])})"
+    if kind == "added" and c["rows_mixed"]:
+        text += f" + {c['rows_mixed']} mixed"
+    return text
+
+
 def _advertised_pubsub(consensus_uri: str) -> dict[str, Any] | None:
     """The ``pubsub=auto`` server advertised next to a SQLite Consensus, and if it answers."""
     from pyspark_persist.state.registry import sqlite_file
@@ -535,22 +587,18 @@ def format_inspect(info: dict[str, Any]) -> str:
 
 def _check_as_of(state: ShardState, as_of: int | None) -> int:
     """The time to read (default ``upper - 1``), refusing one the shard cannot answer."""
+    from pyspark_persist.state.errors import InvalidFrontier
+    from pyspark_persist.state.times import check_readable
+
     name = state.shard_id
     if state.upper == 0:
         raise CliError(f"shard {name!r} has no complete time yet (upper is 0): nothing to show")
     if as_of is None:
         return state.upper - 1
-    if as_of >= state.upper:
-        raise CliError(
-            f"--as-of {as_of} is at or past the upper {state.upper} of shard {name!r}: "
-            f"use {state.upper - 1} or earlier"
-        )
-    if as_of < state.since:
-        raise CliError(
-            f"--as-of {as_of} is before the since {state.since} of shard {name!r} "
-            f"(compacted away): use {state.since} or later"
-        )
-    return as_of
+    try:
+        return check_readable(as_of, state.since, state.upper, "--as-of", name)
+    except InvalidFrontier as e:
+        raise CliError(str(e)) from None
 
 
 def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
@@ -976,9 +1024,31 @@ def _emit(result: dict[str, Any], as_json: bool, text: Callable[[dict[str, Any]]
 JSON_HELP = "print JSON instead of text"
 
 
+class _TimeParam(click.ParamType):
+    """A time as every entry point takes one: epoch ms, ``YYYY-MM-DD`` or ISO-8601."""
+
+    name = "time"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """The time in milliseconds, or click's usage error (exit 2) naming the forms."""
+        from pyspark_persist.state.errors import InvalidUsage
+        from pyspark_persist.state.times import parse_time
+
+        try:
+            return parse_time(value if isinstance(value, int) else str(value), "--as-of")
+        except InvalidUsage as e:
+            self.fail(str(e), param, ctx)
+
+
 def _as_of_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--as-of T``, a time (``show`` reads at it, ``tail`` prints what comes after it)."""
-    return click.option("--as-of", type=int, default=None, metavar="T", help=help_text)
+    return click.option(
+        "--as-of",
+        type=_TimeParam(),
+        default=None,
+        metavar="T",
+        help=help_text + "; epoch ms, YYYY-MM-DD or ISO-8601",
+    )
 
 
 @click.group(
@@ -1102,6 +1172,25 @@ def shards_show(name: str, as_of: int | None, limit: int, as_json: bool) -> int:
     if as_json:
         del result["columns"]
     return _emit(result, as_json, format_show)
+
+
+@shards.command("history", short_help="List a shard's commits, newest first.")
+@_location_options
+@click.argument("name", metavar="NAME")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="print the newest N commits (default: all Consensus keeps)",
+)
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def shards_history(name: str, limit: int | None, as_json: bool) -> int:
+    """List a shard's commits, newest first: SeqNo, operation (create, append, overwrite,
+    compaction), commit time, writer, the times it covers, rows and bytes added and retracted.
+    Read from the state diffs Consensus keeps: GC truncates those below the oldest SeqNo a
+    reader holds, so older commits are no longer listed (their data stays, compacted)."""
+    return _emit(shard_history(_where(), name, limit), as_json, format_history)
 
 
 @shards.command("tail", short_help="Follow a shard's changes as they commit.")

@@ -204,7 +204,7 @@ BAD = [
         ("shards", "show", SHARD, "--as-of", "90"), 1, "at or past the upper", id="as-of-upper"
     ),
     pytest.param(
-        ("shards", "show", SHARD, "--as-of", "x"), 2, "'x' is not a valid integer", id="as-of-int"
+        ("shards", "show", SHARD, "--as-of", "x"), 2, "--as-of='x' is not a time", id="as-of-int"
     ),
     pytest.param(("shards", "show", SHARD, "--limit", "-3"), 2, "not in the range", id="limit"),
     pytest.param(("shards", "gc", SHARD, "--force"), 2, "No such option '--force'", id="bad-flag"),

@@ -1,4 +1,5 @@
-"""The read-only commands (``shards list``, ``inspect``, ``show``) on a read-only PostgreSQL role.
+"""The read-only commands (``shards list``, ``inspect``, ``show``, ``history``) on a read-only
+PostgreSQL role.
 
 A role that may only SELECT the Consensus table, and whose transactions are
 read-only, is created for the test in the ``test`` database and dropped
@@ -96,6 +97,11 @@ def test_read_only_commands_work_with_a_read_only_role_and_write_nothing(
     assert code == 0, err
     shown = json.loads(out)
     assert sorted(r["id"] for r in shown["rows"]) == [0, 1, 2, 10, 11, 12]
+
+    code, out, err = run(capsys, *location, "shards", "history", "events", "--json")
+    assert code == 0, err
+    commits = json.loads(out)["commits"]
+    assert [(c["operation"], c["rows_added"]) for c in commits[:3]] == [("append", 2)] * 3
 
     assert consensus_rows(postgres_url, table) == before  # no reader registered, nothing written
 
