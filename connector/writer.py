@@ -1,7 +1,9 @@
 """The sink: executors stage parts in ``write()``; the driver commits once in ``commit()``.
 
-Every task of a micro-batch stages its rows as Parquet parts in Blob
-(bounded memory: parts of ``partSizeBytes``, a bounded number uploading)
+Every task of a micro-batch stages its rows as Arrow IPC parts in Blob,
+encoded batch by batch as Spark hands them over (bounded memory: parts of
+``partSizeBytes``, a bounded number uploading; compaction later rewrites
+them as Parquet)
 and returns a :class:`PersistCommitMessage` naming them; nothing is visible
 yet. ``commit(messages, batchId)`` on the driver makes all of them visible
 in ONE compare_and_append at a fresh time ``T = max(upper, now in ms)``,
@@ -41,7 +43,7 @@ from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMis
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage
 from pyspark_persist.state.maintenance import unreferenced
-from pyspark_persist.state.parts import DIFF, DIFF_TYPE, decode_schema, encode_schema
+from pyspark_persist.state.parts import ARROW, DIFF, DIFF_TYPE, decode_schema, encode_schema
 from pyspark_persist.state.write import BatchBuilder, StagedBatch, delete_staged
 
 log = logging.getLogger(__name__)
@@ -161,7 +163,9 @@ def stage_rows(
     config = PersistConfig(
         part_target_bytes=opts.part_size_bytes or PersistConfig.part_target_bytes
     )
-    builder = BatchBuilder(blob_for(opts.blob), opts.shard, schema, config, allow_inline=False)
+    builder = BatchBuilder(
+        blob_for(opts.blob), opts.shard, schema, config, allow_inline=False, part_format=ARROW
+    )
     try:
         for rb in batches:
             if rb.num_rows:

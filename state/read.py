@@ -27,18 +27,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import commands
 from .blob import Blob
-from .errors import CorruptData, InvalidFrontier, LeaseExpired
+from .errors import InvalidFrontier, LeaseExpired
 from .machine import Machine
 from .parts import (
     LeasedPart,
     consolidate,
     data_schema,
-    decode_inline,
     fetch_part_bytes,
+    iter_part_batches,
     release_memory,
     shape_updates,
 )
@@ -131,6 +130,9 @@ def iter_parts(
 ) -> Iterator[pa.Table]:
     """Yield the shaped updates of ``parts`` in slices, fetching the next part meanwhile.
 
+    Reads every part format (``PartRef.fmt``): Arrow parts batch by batch as
+    stored, Parquet parts ``batch_rows`` rows at a time.
+
     Holds the bytes of at most two parts plus one decoded slice: about
     ``3 * part_target_bytes`` whatever the number of parts.
     """
@@ -143,18 +145,9 @@ def iter_parts(
             if i + 1 < len(parts):
                 nxt = parts[i + 1]
                 fut = pool.submit(fetch_part_bytes, blob, nxt.part, nxt.shard_id)
-            if leased.part.inline is not None:
-                yield shape_updates(decode_inline(data, leased.shard_id), leased)
-                continue
-            try:
-                pf = pq.ParquetFile(pa.BufferReader(data))
-                for rb in pf.iter_batches(batch_size=batch_rows):
-                    yield shape_updates(rb, leased)
-            except (pa.ArrowInvalid, OSError) as e:
-                raise CorruptData(
-                    f"part {leased.part.key} of shard {leased.shard_id!r} cannot be decoded: {e}"
-                ) from e
-            del data, pf
+            for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
+                yield shape_updates(rb, leased)
+            del data
             release_memory()
 
 

@@ -64,6 +64,9 @@ class PartRef:
     """Per-column (min, max) of numeric and short string columns, for skipping parts."""
     crc: int | None = None
     """CRC-32 of the stored bytes: a fetch that does not match is corrupt, never read."""
+    fmt: str = "parquet"
+    """How a Blob part is encoded: ``"parquet"``, or ``"arrow"`` (an Arrow IPC stream, what
+    the Spark sink stages: cheaper to write and read; compaction rewrites it as Parquet)."""
 
     @property
     def effective_dmin(self) -> int | None:
@@ -111,6 +114,8 @@ class PartRef:
             out["stats"] = {k: list(v) for k, v in self.stats.items()}
         if self.crc is not None:
             out["crc"] = self.crc
+        if self.fmt != "parquet":
+            out["fmt"] = self.fmt
         return out
 
     @classmethod
@@ -133,6 +138,7 @@ class PartRef:
                 dmax=None if d.get("dmax") is None else int(d["dmax"]),
                 stats={k: (v[0], v[1]) for k, v in d["stats"].items()} if "stats" in d else None,
                 crc=None if d.get("crc") is None else int(d["crc"]),
+                fmt=str(d.get("fmt", "parquet")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"malformed part reference {dict(d)!r}: {e}") from e

@@ -2,10 +2,12 @@
 
 A write has two halves that may run in different processes:
 
-1. *Staging*: a :class:`BatchBuilder` cuts updates into Parquet parts of about
+1. *Staging*: a :class:`BatchBuilder` cuts updates into parts of about
    ``part_target_bytes`` and uploads them to Blob, at most
    ``max_outstanding_parts`` at a time, so memory stays within
-   ``B * (2N + 1)`` whatever the data size. The result, a
+   ``B * (2N + 1)`` whatever the data size. Parts are Parquet, or with
+   ``part_format="arrow"`` (the Spark sink) Arrow IPC streams encoded as the
+   updates arrive, so no part is ever held whole as a table. The result, a
    :class:`StagedBatch`, is a small JSON-able value: nothing is visible yet.
 2. *Commit*: :meth:`WriteHandle.compare_and_append_batches` makes any number
    of staged batches visible in one state change, iff the shard's upper is
@@ -37,7 +39,11 @@ from .config import PersistConfig
 from .errors import InvalidFrontier, InvalidUpdates, InvalidUsage, StagedPartsExpired
 from .machine import Machine, RunInfo
 from .parts import (
+    ARROW,
     MAX_TIME,
+    PARQUET,
+    PART_FORMATS,
+    ArrowPartEncoder,
     conform_updates,
     encode_inline,
     encode_parquet,
@@ -102,7 +108,14 @@ class BatchBuilder:
         *,
         allow_inline: bool = True,
         inline_budget: int | None = None,
+        part_format: str = PARQUET,
     ) -> None:
+        if part_format not in PART_FORMATS:
+            raise InvalidUsage(
+                f"part format {part_format!r} is unknown: use one of {', '.join(PART_FORMATS)}"
+            )
+        self._format = part_format
+        self._encoder: ArrowPartEncoder | None = None
         self._blob = blob
         self._shard_id = shard_id
         self._schema = schema
@@ -144,6 +157,9 @@ class BatchBuilder:
                 "some updates given to one batch carry a _time column and some do not; "
                 "give every update a _time, or none (the commit then assigns one)"
             )
+        if self._format == ARROW:
+            self._add_arrow(table)
+            return
         target = self._config.part_target_bytes
         size = table.nbytes
         if self._buffered_bytes + size < target:  # the common small case: no slicing
@@ -159,11 +175,45 @@ class BatchBuilder:
             if self._buffered_bytes >= target:
                 self._flush()
 
+    def _add_arrow(self, table: pa.Table) -> None:
+        """Encode updates into the open Arrow part; upload it once it holds the target bytes."""
+        target = self._config.part_target_bytes
+        while table.num_rows:
+            if self._encoder is None:
+                self._encoder = ArrowPartEncoder(table.schema, self._config.read_batch_rows)
+            room = target - self._encoder.nbytes
+            if table.nbytes <= room:
+                self._encoder.write(table)
+                break
+            rows_fit = max(1, int(table.num_rows * room / max(table.nbytes, 1)))
+            self._encoder.write(table.slice(0, rows_fit))
+            table = table.slice(rows_fit)
+            self._submit_arrow()
+
+    def _submit_arrow(self) -> None:
+        encoder, self._encoder = self._encoder, None
+        if encoder is not None and encoder.stats.rows:
+            self._wait_for_slot()
+            self._pending.append(self._executor().submit(self._upload_arrow, encoder))
+
+    def _upload_arrow(self, encoder: ArrowPartEncoder) -> PartRef:
+        started = time.perf_counter()
+        data = encoder.finish()
+        key = new_part_key(self._shard_id, ARROW)
+        self._blob.set(key, data)
+        with self._timing_lock:
+            self.upload_s += time.perf_counter() - started
+        ref = encoder.stats.ref(key, None, len(data), zlib.crc32(data), ARROW)
+        del data, encoder
+        release_memory()
+        return ref
+
     @traced("BatchBuilder.finish", "_shard_id")
     def finish(self) -> StagedBatch:
         """Upload what is buffered, wait for every upload, and return the staged batch."""
         if self._finished:
             raise InvalidUsage("this batch builder was already finished or aborted")
+        self._submit_arrow()
         if self._buffer:
             table = self._take_buffer()
             inline = encode_inline(table) if self._allow_inline and not self._pending else None
@@ -194,6 +244,7 @@ class BatchBuilder:
         delete_staged(self._blob, self._done)
         self._done.clear()
         self._buffer.clear()
+        self._encoder = None
         self._shutdown()
 
     def _take_buffer(self) -> pa.Table:
@@ -208,15 +259,21 @@ class BatchBuilder:
         self._submit(self._take_buffer())
 
     def _submit(self, table: pa.Table) -> None:
+        self._wait_for_slot()
+        self._pending.append(self._executor().submit(self._upload, table))
+
+    def _wait_for_slot(self) -> None:
         started = time.perf_counter()
         while len(self._pending) >= self._config.max_outstanding_parts:
             self._done.append(self._pending.pop(0).result())
         self.queued_s += time.perf_counter() - started
+
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 max_workers=self._config.max_outstanding_parts, thread_name_prefix="persist-upload"
             )
-        self._pending.append(self._pool.submit(self._upload, table))
+        return self._pool
 
     def _upload(self, table: pa.Table) -> PartRef:
         started = time.perf_counter()

@@ -1,11 +1,15 @@
 """Shared fixtures: every backend-parametrized fixture lives in a sibling module."""
 
 import os
+import sys
 import tempfile
 
 # Before any Spark JVM or Python worker starts: the embedded default location of every
 # test process (and of Spark's workers, which inherit it) is a fresh directory.
 os.environ.setdefault("PERSIST_HOME", tempfile.mkdtemp(prefix="persist-home-"))
+# Spark's Python workers run this interpreter, so they import the pyspark_persist under test
+# (by default they run the first python3 on PATH, which may hold another installed copy).
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 from blob_fixtures import blob, blob_uri, moto_server  # noqa: E402, F401
 from consensus_fixtures import consensus, consensus_uri, postgres_url  # noqa: E402, F401

@@ -8,15 +8,17 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
 - **Write throughput**: a DataFrame of ``--size-mib`` (default 1 GiB) of
   rows ``(id int64, x double, s 32-char string)``, generated with
   ``spark.range`` and expressions and cached (materialized before any clock
-  starts, so both writers see the same data), written once by
-  ``df.write.format("persist")`` into a fresh shard and once by Spark's
-  built-in Parquet writer (``df.write.parquet``), and by the ceiling of Spark's
-  Python Data Source API: a sink that receives the same rows and discards them
-  (``ceiling.py``; no Python sink can write faster). The three run in turn,
-  ROUNDS times (the first round also starts their workers), and each
-  writer's best round counts. Rows/s and
-  MiB/s of each (MiB = the rows' Arrow bytes, 52 a row) and the ratios.
-  Target: persist >= 1.0x Parquet.
+  starts, so every writer sees the same data), written by
+  ``df.write.format("persist")`` in ``append`` and in ``overwrite`` mode, by
+  Spark's built-in Parquet writer (``df.write.parquet``), and by the ceiling
+  of Spark's Python Data Source API: a sink that receives the same rows and
+  discards them (``ceiling.py``; no Python sink can write faster). Then a
+  streaming append: a file source over the Parquet copy, ``Trigger.AvailableNow``,
+  into the persist sink and into Spark's Parquet file sink. The writers run
+  in turn, ROUNDS times (the first round also starts their workers), and each
+  writer's best round counts. Rows/s and MiB/s of each (MiB = the rows' Arrow
+  bytes, 52 a row) and the ratios. Target: each persist mode >= 1.0x its
+  Parquet peer (the batch writer; for the streaming append, the file sink).
 - **Write-to-visible latency** of a streaming pipeline: a rate-limited
   ``rate`` source -> sink -> source of the same format -> ``foreachBatch`` on
   the driver, which records ``now - the row's creation time`` (the rate
@@ -55,7 +57,13 @@ ROW_BYTES = 8 + 8 + 32 + 4
 """Arrow bytes of one row: int64, float64, 32 bytes of string and its int32 offset."""
 THROUGHPUT_TARGET = 1.0
 ROUNDS = 3
-"""Interleaved rounds of the three writers; each writer's best round counts."""
+"""Interleaved rounds of the writers; each writer's best round counts."""
+PEERS = {
+    "persist append": "parquet",
+    "persist overwrite": "parquet",
+    "persist stream": "parquet stream",
+}
+"""Each persist write mode and the Spark writer it is compared with."""
 LATENCY_TARGET = 0.5
 
 
@@ -93,6 +101,9 @@ class Report:
     write: list[WriteFigures] = field(default_factory=list)
     latency: list[LatencyFigures] = field(default_factory=list)
     write_ratio: float = 0.0
+    """The worst of ``mode_ratios``."""
+    mode_ratios: dict[str, float] = field(default_factory=dict)
+    """Each persist write mode's rows/s over its peer's (see PEERS)."""
     ceiling_write_ratio: float = 0.0
     """The discarding Python sink's throughput over Parquet's: the API's own limit."""
     latency_ratio: float = 0.0
@@ -154,6 +165,7 @@ def _session(master: str) -> Any:
     spark = (
         SparkSession.builder.master(master)
         .appName("persist-bench-spark-write")
+        .config("spark.pyspark.python", sys.executable)  # workers import this persist
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.sql.adaptive.enabled", "false")
@@ -193,12 +205,42 @@ def _throughput(
 
     from pyspark_persist.tools.bench.ceiling import DISCARD
 
-    shard = f"bench-write-{uuid.uuid4().hex[:8]}"
+    tag = uuid.uuid4().hex[:8]
     path = os.path.join(workdir, "parquet-write")
+    source_dir = os.path.join(workdir, "stream-source")
+    df.write.parquet(source_dir)  # the streaming writers' input, written once
+    stream_schema = df.schema
+
+    def stream(fmt: str, sink_opts: dict[str, str], target: str) -> None:
+        ckpt = os.path.join(workdir, f"ckpt-{uuid.uuid4().hex[:8]}")
+        query = (
+            spark.readStream.schema(stream_schema)
+            .parquet(source_dir)
+            .writeStream.format(fmt)
+            .options(**sink_opts)
+            .option("checkpointLocation", ckpt)
+            .trigger(availableNow=True)
+            .start(target)
+        )
+        query.awaitTermination()
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+    def parquet_stream() -> None:
+        out = os.path.join(workdir, "parquet-stream")
+        shutil.rmtree(out, ignore_errors=True)
+        stream("parquet", {}, out)
+
     writers = {
-        "persist": lambda: df.write.format("persist").options(**opts).mode("overwrite").save(shard),
+        "persist append": lambda: (
+            df.write.format("persist").options(**opts).mode("append").save(f"append-{tag}")
+        ),
+        "persist overwrite": lambda: (
+            df.write.format("persist").options(**opts).mode("overwrite").save(f"over-{tag}")
+        ),
         "parquet": lambda: df.write.mode("overwrite").parquet(path),
         "discard": lambda: df.write.format(DISCARD).mode("append").save(),
+        "persist stream": lambda: stream("persist", opts, f"stream-{tag}"),
+        "parquet stream": parquet_stream,
     }
     best = dict.fromkeys(writers, float("inf"))
     for _ in range(ROUNDS):  # interleaved, so a slow spell of the machine hits every writer
@@ -344,7 +386,9 @@ def run(ns: argparse.Namespace) -> Report:
         if not ns.skip_throughput:
             report.write = _throughput(spark, size, ns.partitions, opts, workdir)
             by = {w.writer: w for w in report.write}
-            report.write_ratio = round(by["persist"].rows_per_s / by["parquet"].rows_per_s, 3)
+            for mode, peer in PEERS.items():
+                report.mode_ratios[mode] = round(by[mode].rows_per_s / by[peer].rows_per_s, 3)
+            report.write_ratio = min(report.mode_ratios.values())
             report.ceiling_write_ratio = round(
                 by["discard"].rows_per_s / by["parquet"].rows_per_s, 3
             )
@@ -372,17 +416,18 @@ def render(report: Report) -> str:
     lines = [f"persist bench spark-write ({report.master}, {report.partitions} partitions)"]
     if report.write:
         lines.append(f"\nWrite throughput, {report.size_mib:g} MiB cached DataFrame:")
-        lines.append(f"  {'writer':<10}{'rows':>12}{'seconds':>10}{'rows/s':>14}{'MiB/s':>10}")
+        lines.append(f"  {'writer':<19}{'rows':>10}{'seconds':>9}{'rows/s':>12}{'MiB/s':>8}")
         for w in report.write:
             lines.append(
-                f"  {w.writer:<10}{w.rows:>12}{w.seconds:>10.2f}"
-                f"{w.rows_per_s:>14,.0f}{w.mib_per_s:>10.1f}"
+                f"  {w.writer:<19}{w.rows:>10}{w.seconds:>9.2f}"
+                f"{w.rows_per_s:>12,.0f}{w.mib_per_s:>8.1f}"
             )
-        ok = report.targets["write_throughput_vs_parquet"]
-        lines.append(
-            f"  persist/parquet = {report.write_ratio:.2f}x "
-            f"(target >= {THROUGHPUT_TARGET}x: {'met' if ok else 'NOT met'})"
-        )
+        for mode, ratio in report.mode_ratios.items():
+            ok = ratio >= THROUGHPUT_TARGET
+            lines.append(
+                f"  {mode} / {PEERS[mode]} = {ratio:.2f}x "
+                f"(target >= {THROUGHPUT_TARGET}x: {'met' if ok else 'NOT met'})"
+            )
         lines.append(
             f"  discard/parquet = {report.ceiling_write_ratio:.2f}x (the most any "
             "Python sink reaches here)"

@@ -1,0 +1,197 @@
+"""Part formats: Arrow IPC parts staged as rows arrive, Parquet parts, and readers of both.
+
+The Spark sink stages Arrow IPC parts; the Python API and compaction write
+Parquet. A shard may hold both at once (parts written before and after an
+upgrade, or before and after compaction), and every read must return the same
+updates whatever the mix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter_parts
+from pyspark_persist.state.errors import CorruptData, InvalidUsage
+from pyspark_persist.state.parts import (
+    ARROW,
+    PARQUET,
+    LeasedPart,
+    PartStats,
+    conform_updates,
+    fetch_part_bytes,
+    iter_part_batches,
+    part_ref,
+)
+from pyspark_persist.state.state import PartRef
+from pyspark_persist.state.write import BatchBuilder
+
+SCHEMA = pa.schema(
+    [("id", pa.int64()), ("x", pa.float64()), ("name", pa.string()), ("flag", pa.bool_())]
+)
+
+
+def rows(n: int, start: int = 0) -> pa.Table:
+    """``n`` rows with ids from ``start``; every 7th name is null."""
+    return pa.table(
+        {
+            "id": pa.array(range(start, start + n), pa.int64()),
+            "x": pa.array([i * 0.5 for i in range(start, start + n)], pa.float64()),
+            "name": pa.array(
+                [None if i % 7 == 0 else f"n{i}" for i in range(start, start + n)], pa.string()
+            ),
+            "flag": pa.array([i % 2 == 0 for i in range(start, start + n)], pa.bool_()),
+        },
+        schema=SCHEMA,
+    )
+
+
+def as_counter(table: pa.Table) -> Counter[tuple[Any, ...]]:
+    """The multiset a snapshot table denotes: row -> summed diff (zeros dropped)."""
+    out: Counter[tuple[Any, ...]] = Counter()
+    cols = [table.column(n).to_pylist() for n in SCHEMA.names]
+    for *row, d in zip(*cols, table.column(DIFF).to_pylist(), strict=True):
+        out[tuple(row)] += d
+    return +out
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Any:
+    """A file/sqlite client with small parts (many parts from a few thousand rows), no
+    background maintenance (compaction is run by hand)."""
+    config = PersistConfig(part_target_bytes=16 << 10, compaction_fan_in=2, maintenance=False)
+    c = PersistClient.open(
+        f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/consensus.db", config=config
+    )
+    yield c
+    c.close()
+
+
+def stage(client: Any, shard: Any, tables: list[pa.Table], fmt: str) -> Any:
+    """Stage ``tables`` through a BatchBuilder writing ``fmt`` parts (to Blob, never inline)."""
+    builder = BatchBuilder(
+        client.blob,
+        shard.machine.shard_id,
+        SCHEMA,
+        client.config,
+        allow_inline=False,
+        part_format=fmt,
+    )
+    for t in tables:
+        builder.add(t)
+    return builder.finish()
+
+
+def test_arrow_parts_are_cut_at_the_target_size_and_read_back(client: Any) -> None:
+    """Small inputs stream into Arrow parts of about the target size; a snapshot reads them."""
+    shard = client.open_shard("arrow", SCHEMA)
+    inputs = [rows(100, i * 100) for i in range(40)]
+    staged = stage(client, shard, inputs, ARROW)
+    assert all(p.fmt == ARROW and p.key and p.key.endswith(".arrow") for p in staged.parts)
+    assert len(staged.parts) > 3  # 4,000 rows of ~30 bytes: several 16 KiB parts
+    assert sum(p.rows for p in staged.parts) == 4000
+    target = client.config.part_target_bytes
+    assert all(p.size_bytes < 2 * target for p in staged.parts)
+    writer = shard.writer()
+    writer.compare_and_append_batches([staged], 0, 1, ts_rewrite=0)
+    got = as_counter(shard.reader().snapshot_table(0))
+    assert got == as_counter(rows(4000).append_column(DIFF, pa.repeat(1, 4000)))
+
+
+def test_parquet_and_arrow_parts_read_together(client: Any) -> None:
+    """A shard holding Parquet parts (old writers, compaction) and Arrow parts reads both."""
+    shard = client.open_shard("mixed", SCHEMA)
+    writer = shard.writer()
+    old = stage(client, shard, [rows(1500)], PARQUET)
+    new = stage(client, shard, [rows(1500, 1500)], ARROW)
+    assert {p.fmt for p in old.parts} == {PARQUET} and {p.fmt for p in new.parts} == {ARROW}
+    writer.compare_and_append_batches([old], 0, 1, ts_rewrite=0)
+    writer.compare_and_append_batches([new], 1, 2, ts_rewrite=1)
+    expected = as_counter(rows(3000).append_column(DIFF, pa.repeat(1, 3000)))
+    assert as_counter(shard.reader().snapshot_table(1)) == expected
+    # Listen-style reads (times kept) through iter_parts see both formats with their times.
+    state = shard.state()
+    leased = [
+        LeasedPart(state.shard_id, client.blob.uri, p, 0, 2, None, state.seqno)
+        for b in state.trace
+        for p in b.parts
+    ]
+    table = pa.concat_tables(iter_parts(client.blob, leased))
+    assert sorted(Counter(table.column(TIME).to_pylist()).items()) == [(0, 1500), (1, 1500)]
+
+
+def test_compaction_rewrites_arrow_parts_as_parquet(client: Any) -> None:
+    """Compaction turns the sink's Arrow parts into Parquet ones; the contents stay the same."""
+    shard = client.open_shard("compact", SCHEMA)
+    writer = shard.writer()
+    for t in range(3):
+        staged = stage(client, shard, [rows(500, t * 500)], ARROW)
+        writer.compare_and_append_batches([staged], t, t + 1, ts_rewrite=t)
+    before = as_counter(shard.reader().snapshot_table(2))
+    reports = shard.compact()
+    assert reports and reports[-1].applied
+    parts = [p for b in shard.state().trace for p in b.parts]
+    assert parts and {p.fmt for p in parts} == {PARQUET}
+    assert as_counter(shard.reader().snapshot_table(2)) == before
+
+
+def test_streamed_stats_equal_whole_part_stats() -> None:
+    """Ranges gathered table by table are the ranges of the whole part, NaN and long strings
+    included (a column with either anywhere gets no range)."""
+    schema = pa.schema([("a", pa.int64()), ("f", pa.float64()), ("s", pa.string())])
+    pieces = [
+        pa.table({"a": [3, 1], "f": [0.5, 2.0], "s": ["b", "c"]}, schema=schema),
+        pa.table({"a": [None, 9], "f": [float("nan"), 1.0], "s": ["a", "x" * 80]}, schema=schema),
+        pa.table({"a": [None, None], "f": [0.1, 0.2], "s": ["d", None]}, schema=schema),
+    ]
+    streamed = PartStats()
+    for i, p in enumerate(pieces):
+        streamed.add(
+            conform_updates(p.append_column(TIME, pa.array([i, i], pa.uint64())), schema, "s")[0]
+        )
+    whole, _ = conform_updates(
+        pa.concat_tables(
+            [p.append_column(TIME, pa.array([i, i], pa.uint64())) for i, p in enumerate(pieces)]
+        ),
+        schema,
+        "s",
+    )
+    ref = streamed.ref("k", None, 1, None, ARROW)
+    assert ref == part_ref(whole, "k", None, 1, None, ARROW)
+    assert ref.stats == {"a": (1, 9)}
+    assert (ref.min_time, ref.max_time, ref.dmin, ref.dmax, ref.rows) == (0, 2, 1, 1, 6)
+
+
+def test_format_survives_state_encoding_and_old_refs_read_as_parquet() -> None:
+    """A part reference keeps its format through JSON; one written before formats is Parquet."""
+    ref = PartRef("k.arrow", None, 10, 1, 0, 0, fmt=ARROW)
+    assert PartRef.from_json(json.loads(json.dumps(ref.to_json()))).fmt == ARROW
+    old = {"key": "k.parquet", "size": 10, "rows": 1, "tmin": 0, "tmax": 0}
+    assert PartRef.from_json(old).fmt == PARQUET
+    assert "fmt" not in PartRef.from_json(old).to_json()  # state written by old versions: same
+
+
+def test_unknown_or_garbled_format_is_corrupt_data(client: Any) -> None:
+    """A part of a format this version does not know, or bytes that are not what the ref says,
+    is refused with CorruptData naming the part, never read as something else."""
+    shard = client.open_shard("bad", SCHEMA)
+    staged = stage(client, shard, [rows(200)], ARROW)
+    part = staged.parts[0]
+    data = fetch_part_bytes(client.blob, part, shard.machine.shard_id)
+    from dataclasses import replace
+
+    with pytest.raises(CorruptData, match="format 'orc'"):
+        list(iter_part_batches(data, replace(part, fmt="orc"), shard.machine.shard_id))
+    with pytest.raises(CorruptData, match="cannot be decoded"):
+        list(iter_part_batches(data, replace(part, fmt=PARQUET), shard.machine.shard_id))
+
+
+def test_builder_refuses_an_unknown_format(client: Any) -> None:
+    """The builder names the formats it can write."""
+    with pytest.raises(InvalidUsage, match="arrow"):
+        BatchBuilder(client.blob, "s", SCHEMA, client.config, part_format="csv")
