@@ -83,7 +83,7 @@ def location(request: pytest.FixtureRequest, tmp_path: object) -> tuple[str, str
     if request.param == "mem":
         tag = uuid.uuid4().hex
         return f"mem://{tag}", f"mem://{tag}"
-    return f"file://{tmp_path}/blob", f"sqlite://{tmp_path}/consensus.db"
+    return f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/consensus.db"
 
 
 def client_on(
