@@ -62,15 +62,15 @@ def test_history_lists_each_commit_with_its_operation_writer_and_sizes() -> None
     )
     shard = client.open_shard("h", SCHEMA)
     w = shard.writer("w1")
-    w.compare_and_append(pa.table({"id": list(range(100))}), 0, 1)
+    w.compare_and_append(pa.table({"id": list(range(100))}), 0, 1, token=1)
     now[0] += 1000
     with shard.reader():  # registering and expiring a reader: SeqNos, not commits
         pass
-    w.compare_and_append(pa.table({"id": [1, 2], "_diff": [-1, -1]}), 1, 2)
+    w.compare_and_append(pa.table({"id": [1, 2], "_diff": [-1, -1]}), 1, 2, token=2)
     w2 = shard.writer("w2")
     builder = w2.builder()
     builder.add(pa.table({"id": [7, 8, 9]}))
-    w2.compare_and_append_batches([builder.finish()], 2, 3, ts_rewrite=2, replace=True)
+    w2.compare_and_append_batches([builder.finish()], 2, 3, token=1, ts_rewrite=2, replace=True)
     compact(shard.machine, shard.state().trace)
     got = shard.history()
     assert [c.operation for c in got] == ["create", "append", "append", "overwrite", "compaction"]
