@@ -3,7 +3,11 @@
 Offsets are JSON ``{"shard", "seqno", "upper", "phase", "as_of"}``: every
 update with a time below ``upper`` has been emitted (``phase: "listen"``), or
 nothing has and the next micro-batch reads the snapshot (``phase:
-"snapshot"``, at ``as_of`` if the user asked for a time). A stream asked to
+"snapshot"``, at ``as_of`` if the user asked for a time). A read limit cuts
+the snapshot too: a ``snapshot`` offset with ``upper > 0`` says the updates at
+times below ``upper`` have been emitted, read as at ``as_of``, the snapshot's
+time (fixed by the first cut), and the next cut goes on from there; the last
+one ends at ``as_of + 1`` in ``listen``. A stream asked to
 start at a time or SeqNo without the snapshot (``startingTime``,
 ``startingSeqNo``) starts in ``listen`` at that time. ``seqno`` is the
 state the offset was observed at. They are built only from values in state,
@@ -31,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from typing import Any
 
 import pyarrow as pa
@@ -287,8 +292,7 @@ class LeaseHolder:
                 f"persist source: {what}: time {describe(lower)} is past the upper "
                 f"{describe(state.upper)} of shard {state.shard_id!r}: the changes from a time "
                 f"in [since, upper] = [{state.since}, {state.upper}] can be streamed; for only "
-                "new changes use "
-                "startingPosition=latest"
+                "new changes use startingPosition=latest"
             )
         if 0 < lower and lower - 1 < state.since:
             lower = self._data_loss(
@@ -318,22 +322,23 @@ class LeaseHolder:
         if self.available_now_upper is not None:
             target = min(target, self.available_now_upper)
         if start.phase == "snapshot":
-            if start.as_of is not None:
-                if start.as_of >= target:
-                    return start  # the time asked for is not complete yet
-                return Offset(state.shard_id, state.seqno, start.as_of + 1, "listen")
-            if target == 0:
-                return start
-            return Offset(state.shard_id, state.seqno, target, "listen")
+            as_of = start.as_of
+            if as_of is None:
+                if target == 0:
+                    return start
+                as_of = target - 1  # the snapshot's time, fixed by the first cut's offset
+            elif as_of >= target:
+                return start  # the time asked for is not complete yet
+            # The snapshot at as_of is the updates at times [0, as_of], each read as at as_of:
+            # a cap cuts that time range where the trace's batches end.
+            cut = _limited_upper(state, start.upper, as_of + 1, limit)
+            if cut > as_of:
+                return Offset(state.shard_id, state.seqno, as_of + 1, "listen")
+            return Offset(state.shard_id, state.seqno, cut, "snapshot", as_of)
         if target <= start.upper:
             return start
         end = _limited_upper(state, start.upper, target, limit)
         return Offset(state.shard_id, state.seqno, end, "listen")
-
-    def latest_available(self) -> Offset:
-        """The newest offset, ignoring limits (for Spark's progress report)."""
-        state = self.current_state()
-        return Offset(state.shard_id, state.seqno, state.upper, "listen")
 
     def report_latest(self) -> dict[str, Any]:
         """The newest offset with ``behind``: what is left to read once the micro-batch being
@@ -346,9 +351,7 @@ class LeaseHolder:
     @staticmethod
     def _behind(state: ShardState, end: Offset | None) -> Behind:
         """What a query that has read up to ``end`` (nothing: None) still has to read."""
-        if end is None or end.phase == "snapshot":
-            return behind(state, 0)
-        return behind(state, end.upper)
+        return behind(state, 0 if end is None else end.upper)
 
     def plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         """Lease and split the parts of ``(start, end]``; held until ``commit(end)``."""
@@ -375,13 +378,18 @@ class LeaseHolder:
         if state.seqno < end.seqno or state.upper < end.upper:
             state = self.machine.fetch_latest()
         if start.phase == "snapshot":
-            as_of = end.upper - 1
+            as_of = (
+                end.as_of if end.phase == "snapshot" and end.as_of is not None else end.upper - 1
+            )
             if as_of < state.since:
                 as_of = self._data_loss(
                     f"the snapshot at {as_of} is before the shard's since {state.since}",
                     state.since,
                 )
-            parts = self._snapshot_parts(as_of)
+            if start.upper == 0 and end.phase == "listen":
+                parts = self._snapshot_parts(as_of)  # the whole snapshot in one micro-batch
+            else:
+                parts = self._snapshot_cut(state, start.upper, min(end.upper, as_of + 1), as_of)
         else:
             lower = start.upper
             if lower > 0 and lower - 1 < state.since:  # from 0 nothing was merged away
@@ -398,6 +406,26 @@ class LeaseHolder:
         snap = self._reader.snapshot(as_of)
         self._remember(as_of + 1, snap.seqno)
         return list(snap.parts)
+
+    def _snapshot_cut(
+        self, state: ShardState, lower: int, upper: int, as_of: int
+    ) -> list[LeasedPart]:
+        """One cut of a capped snapshot: the updates at times [lower, upper), read as at as_of.
+
+        The cuts of one snapshot tile [0, as_of], so together they are the snapshot
+        (unconsolidated across cuts: an insert and its retraction may land in two
+        micro-batches; their diffs still sum to the collection). A restart replays the
+        same time range whatever compaction did meanwhile, unless it merged across the
+        cut (since past ``lower - 1``): that is data loss, as for a listen.
+        """
+        if lower > 0 and lower - 1 < state.since:
+            lower = self._data_loss(
+                f"the snapshot's times [{lower}, {state.since}] were compacted with earlier ones "
+                "before this query read them",
+                state.since + 1,
+            )
+        parts = self._listen_parts(state, lower, max(lower, upper))
+        return [dc_replace(p, as_of=as_of) for p in parts]
 
     def _listen_parts(self, state: ShardState, lower: int, upper: int) -> list[LeasedPart]:
         state = self._reader.lease_state(state)  # in effect before any part is handed out

@@ -221,11 +221,12 @@ def test_history_is_a_dataframe_of_commits(spark: SparkSession) -> None:
     assert all(r["writer_id"] and r["committed_ms"] > 0 for r in rows)
 
 
-def test_lag_shows_in_streaming_progress_and_the_metrics_file(
+def test_capped_snapshot_is_cut_and_lag_shows_in_progress_and_the_metrics_file(
     spark: SparkSession, tmp_path: Path
 ) -> None:
-    """Item 8: progress.sources[].latestOffset carries behind (rows, bytes, parts, times left
-    after each micro-batch); metricsFile gets one line per micro-batch."""
+    """Items 1 and 8: maxFilesPerTrigger cuts the first snapshot into micro-batches;
+    progress.sources[].latestOffset carries behind (rows, bytes, parts, times left after each
+    micro-batch); metricsFile gets one line per micro-batch."""
     import json
 
     shard = new_shard()
@@ -247,7 +248,12 @@ def test_lag_shows_in_streaming_progress_and_the_metrics_file(
     finally:
         q.stop()
     latest = [json.loads(p["sources"][0]["latestOffset"]) for p in progress]
-    assert [p["numInputRows"] for p in progress] == [300]  # the snapshot, in one micro-batch
+    ends = [json.loads(p["sources"][0]["endOffset"]) for p in progress]
+    assert [p["numInputRows"] for p in progress] == [100, 100, 100]  # the snapshot, cut in 3
+    assert [e["phase"] for e in ends] == ["snapshot", "snapshot", "listen"]
+    assert [e["as_of"] for e in ends[:2]] == [NOV_20 + 2 * DAY] * 2
+    assert [x["behind"]["rows"] for x in latest] == [200, 100, 0]
     assert latest[-1]["behind"] == {"rows": 0, "bytes": 0, "parts": 0, "times": 0}
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert lines and lines[-1]["behind"]["rows"] == 0 and lines[-1]["planned_rows"] == 300
+    assert [x["planned_rows"] for x in lines] == [100, 100, 100]
+    assert [x["behind"]["rows"] for x in lines] == [200, 100, 0]

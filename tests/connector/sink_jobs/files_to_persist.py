@@ -1,6 +1,8 @@
 """Child job of the sink kill test: a file-source stream into persist, run by ``spark-submit``.
 
-Usage: ``spark-submit files_to_persist.py INPUT_DIR CHECKPOINT SHARD``.
+Usage: ``spark-submit files_to_persist.py INPUT_DIR CHECKPOINT SHARD``; an INPUT_DIR of
+``persist:NAME`` reads shard NAME instead, one persist part per micro-batch (a capped
+snapshot, for the source's kill test).
 
 Reads JSON files (``{"id": long, "payload": string}``) one file per micro-batch
 with ``trigger(availableNow=True)`` (so the job exits once every file is
@@ -89,11 +91,21 @@ def main(argv: list[str]) -> int:
 
         spark.dataSource.register(DefaultSource)
     spark.dataSource.register(HookedSource)
+    if input_dir.startswith("persist:"):  # a capped persist snapshot instead of files
+        source = (
+            spark.readStream.format("persist")
+            .option("maxFilesPerTrigger", 1)
+            .load(input_dir.removeprefix("persist:"))
+            .drop("_time")  # the sink stamps its own times; _diff carries over
+        )
+    else:
+        source = (
+            spark.readStream.schema("id long, payload string")
+            .option("maxFilesPerTrigger", 1)
+            .json(input_dir)
+        )
     q = (
-        spark.readStream.schema("id long, payload string")
-        .option("maxFilesPerTrigger", 1)
-        .json(input_dir)
-        .writeStream.format("persist_hooked")
+        source.writeStream.format("persist_hooked")
         .option("checkpointLocation", checkpoint)
         .trigger(availableNow=True)
         .start(shard)
