@@ -40,7 +40,7 @@ from pyspark_persist.state.errors import InvalidFrontier
 from pyspark_persist.state.parts import consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
-from pyspark_persist.stream_reader import PersistInputPartition, split_parts
+from pyspark_persist.stream_reader import PersistInputPartition, read_partition, split_parts
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +90,15 @@ class PersistBatchReader(DataSourceReader):
 
         if not isinstance(partition, PersistInputPartition):
             return  # partitions() found nothing to read: Spark still runs one (None) task
+        if not isinstance(partition, ConsolidatingPartition):
+            yield from read_partition(partition, self._schema)
+            return
         target = output_arrow_schema(self._schema)
-        tables: Iterable[pa.Table] = iter_parts(
-            blob_for(partition.blob_uri), partition.leased_parts()
-        )
-        if isinstance(partition, ConsolidatingPartition):
-            row_columns = [n for n in target.names if n not in ("_time", "_diff")]
-            parts = list(tables)
-            tables = [consolidate(pa.concat_tables(parts), row_columns)] if parts else []
-        for table in tables:
-            if table.num_rows:
-                yield from table.select(target.names).cast(target).to_batches()
+        row_columns = [n for n in target.names if n not in ("_time", "_diff")]
+        parts = list(iter_parts(blob_for(partition.blob_uri), partition.leased_parts()))
+        if parts:
+            table = consolidate(pa.concat_tables(parts), row_columns)
+            yield from table.select(target.names).cast(target).to_batches()
 
 
 class PersistPushdownBatchReader(PersistBatchReader):

@@ -351,13 +351,15 @@ class ArrowPartEncoder:
         self.stats = PartStats()
         self.nbytes = 0
         """Arrow bytes written so far (what the part holds decoded)."""
+        self.rows = 0
+        """Updates written so far."""
 
     def write(self, table: pa.Table) -> None:
         """Add updates in part layout."""
         if table.num_rows == 0:
             return
-        self.stats.add(table)
         self.nbytes += table.nbytes
+        self.rows += table.num_rows
         self._pending.append(table)
         self._pending_rows += table.num_rows
         if self._pending_rows >= self._batch_rows:
@@ -369,6 +371,7 @@ class ArrowPartEncoder:
         table = pa.concat_tables(self._pending).combine_chunks()
         self._pending.clear()
         self._pending_rows = 0
+        self.stats.add(table)  # per coalesced batch: a few kernel calls per batch_rows rows
         self._writer.write_table(table)
 
     def finish(self) -> memoryview:
