@@ -286,7 +286,7 @@ def render(report: Report) -> str:
         f"persist pubsub={report.pubsub}",
         "",
         "Freshness (writer's micro-batch start -> reader's), ms:",
-        f"  {'pipeline':<34}{'samples':>8}{'p50':>8}{'p95':>8}{'max':>8}",
+        f"  {'pipeline':<40}{'samples':>8}{'p50':>8}{'p95':>8}{'max':>8}",
     ]
     names = {
         "persist": "rate -> persist sink -> persist source",
@@ -294,7 +294,7 @@ def render(report: Report) -> str:
     }
     for kind, name in names.items():
         p = by[kind]
-        lines.append(f"  {name:<34}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}")
+        lines.append(f"  {name:<40}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}")
 
     def verdict(key: str) -> str:
         return "met" if report.targets[key] else "NOT met"
