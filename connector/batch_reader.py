@@ -69,7 +69,7 @@ from pyspark_persist.state.parts import LeasedPart, consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.state.times import check_readable
-from pyspark_persist.stream_reader import PersistInputPartition, split_parts
+from pyspark_persist.stream_reader import PersistInputPartition, read_partition, split_parts
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,9 @@ class PersistBatchReader(DataSourceReader):
         # finish. The tasks heartbeat the lease while they run (BatchLease), and once they are
         # done it runs out after leaseSeconds (default reader_lease_s).
         reader = ReadHandle(shard.machine, shard.schema, lease_s=self._opts.lease_seconds)
+        lease_ms = int((self._opts.lease_seconds or shard.machine.config.reader_lease_s) * 1000)
         if self._opts.read_changes:
-            return self._change_partitions(shard.machine, client.blob.uri)
+            return self._change_partitions(shard.machine, client.blob.uri, reader, lease_ms)
         as_of = self._opts.as_of
         if as_of is None:
             as_of = reader.latest_as_of()
@@ -176,18 +177,20 @@ class PersistBatchReader(DataSourceReader):
         skipped = len(snap.parts) - len(parts)
         if skipped:
             log.debug("persist: pushed filters skipped %s of %s parts", skipped, len(snap.parts))
-        lease_s = self._opts.lease_seconds or shard.machine.config.reader_lease_s
-        lease = BatchLease(reader.reader_id, snap.seqno, int(lease_s * 1000))
+        lease = BatchLease(reader.reader_id, snap.seqno, lease_ms)
         if any((p.part.effective_dmin or -1) <= 0 for p in parts):
             return [ConsolidatingPartition(client.blob.uri, parts, lease)] if parts else []
         splits = split_parts(parts, self._opts.split_size_bytes, self._opts.min_partitions)
         return [BatchPartition(client.blob.uri, s, lease) for s in splits]
 
-    def _change_partitions(self, machine: Machine, blob_uri: str) -> Sequence[InputPartition]:
+    def _change_partitions(
+        self, machine: Machine, blob_uri: str, reader: ReadHandle, lease_ms: int
+    ) -> Sequence[InputPartition]:
         """readChanges: every update in [start, end) with its own time, unconsolidated.
 
         The reader registered just before holds the state planned from (its SeqNo) and
-        its since, so neither GC nor compaction can take the range away meanwhile.
+        its since, so neither GC nor compaction can take the range away meanwhile; the
+        tasks heartbeat that hold as a snapshot read's tasks do.
         """
         opts = self._opts
         state = machine.state()
@@ -207,7 +210,8 @@ class PersistBatchReader(DataSourceReader):
         check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
         parts = change_parts(state, lower, upper, blob_uri)
         splits = split_parts(parts, opts.split_size_bytes, opts.min_partitions)
-        return [PersistInputPartition(blob_uri, s) for s in splits]
+        lease = BatchLease(reader.reader_id, state.seqno, lease_ms)
+        return [BatchPartition(blob_uri, s, lease) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Stream one task's parts as Arrow batches (executor)."""
@@ -215,23 +219,24 @@ class PersistBatchReader(DataSourceReader):
 
         if not isinstance(partition, BatchPartition):
             return  # partitions() found nothing to read: Spark still runs one (None) task
+        if not isinstance(partition, ConsolidatingPartition):
+            keeper = _LeaseKeeper(self._opts, partition.lease)
+            keeper.beat()
+            for batch in read_partition(partition, self._schema):
+                keeper.beat()  # a no-op until a third of the lease has passed
+                yield batch
+            return
         target = output_arrow_schema(self._schema)
         keeper = _LeaseKeeper(self._opts, partition.lease)
         keeper.beat()
-        tables: Iterable[pa.Table] = iter_parts(
-            blob_for(partition.blob_uri), partition.leased_parts()
-        )
-        if isinstance(partition, ConsolidatingPartition):
-            row_columns = [n for n in target.names if n not in ("_time", "_diff")]
-            parts = []
-            for table in tables:
-                keeper.beat()
-                parts.append(table)
-            tables = [consolidate(pa.concat_tables(parts), row_columns)] if parts else []
-        for table in tables:
+        row_columns = [n for n in target.names if n not in ("_time", "_diff")]
+        parts = []
+        for table in iter_parts(blob_for(partition.blob_uri), partition.leased_parts()):
             keeper.beat()
-            if table.num_rows:
-                yield from table.select(target.names).cast(target).to_batches()
+            parts.append(table)
+        if parts:
+            table = consolidate(pa.concat_tables(parts), row_columns)
+            yield from table.select(target.names).cast(target).to_batches()
 
 
 class PersistPushdownBatchReader(PersistBatchReader):

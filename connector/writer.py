@@ -3,8 +3,7 @@
 Every task of a micro-batch stages its rows as Arrow IPC parts in Blob,
 encoded batch by batch as Spark hands them over (bounded memory: parts of
 ``partSizeBytes``, a bounded number uploading; compaction later rewrites
-them as Parquet)
-and returns a :class:`PersistCommitMessage` naming them; nothing is visible
+them as Parquet), and returns a :class:`PersistCommitMessage` naming them; nothing is visible
 yet. ``commit(messages, batchId)`` on the driver makes all of them visible
 in ONE compare_and_append at a fresh time ``T = max(upper, now in ms)``,
 retrying when another writer moved the upper. The commit carries the

@@ -324,12 +324,15 @@ def encode_parquet(table: pa.Table) -> memoryview:
     return memoryview(sink.getvalue())
 
 
-ARROW_COMPRESSION = "lz4"
-"""Compression of Arrow IPC parts. Measured on 84 MiB of the benchmark rows (encode, CRC,
-fsync'd file write; then read, CRC, decode), best of 3, two runs: Parquet/snappy 51 MiB,
-write 554-704 ms, read 228-304 ms; IPC uncompressed 84 MiB, 245-263 / 127-143 ms; IPC lz4
-55 MiB, 149-217 / 91-134 ms; zstd 26 MiB, 180-260 / 92-160 ms. lz4 writes and reads at
-least as fast as no compression and stores 0.65x the bytes."""
+ARROW_COMPRESSION: str | None = None
+"""Compression of Arrow IPC parts: none. Measured on 84 MiB of the benchmark rows, best of 3:
+CPU to encode / decode, one thread: uncompressed 36 / 0 ms (the batches are read in place),
+lz4 75 / 33 ms (with IPC threads on, uncompressed encode rose to 156 ms: they stay off).
+lz4 stores 0.65x the bytes, and with the fsync'd file write and read counted it was as fast
+(IPC none 245-263 / 127-143 ms, lz4 149-217 / 91-134 ms, Parquet 554-704 / 228-304 ms). But
+in a Spark task the encode and decode sit on the task's thread while the upload and the
+fetch run beside it, and a py-spy profile of the sink put lz4 first among persist's costs:
+on CPU-bound executors the bytes are cheaper than the compression."""
 
 
 class ArrowPartEncoder:
@@ -343,7 +346,7 @@ class ArrowPartEncoder:
 
     def __init__(self, schema: pa.Schema, batch_rows: int = 65536) -> None:
         self._sink = pa.BufferOutputStream()
-        options = pa.ipc.IpcWriteOptions(compression=ARROW_COMPRESSION)
+        options = pa.ipc.IpcWriteOptions(compression=ARROW_COMPRESSION, use_threads=False)
         self._writer = pa.ipc.new_stream(self._sink, schema, options=options)
         self._batch_rows = batch_rows
         self._pending: list[pa.Table] = []
@@ -351,13 +354,15 @@ class ArrowPartEncoder:
         self.stats = PartStats()
         self.nbytes = 0
         """Arrow bytes written so far (what the part holds decoded)."""
+        self.rows = 0
+        """Updates written so far."""
 
     def write(self, table: pa.Table) -> None:
         """Add updates in part layout."""
         if table.num_rows == 0:
             return
-        self.stats.add(table)
         self.nbytes += table.nbytes
+        self.rows += table.num_rows
         self._pending.append(table)
         self._pending_rows += table.num_rows
         if self._pending_rows >= self._batch_rows:
@@ -369,6 +374,7 @@ class ArrowPartEncoder:
         table = pa.concat_tables(self._pending).combine_chunks()
         self._pending.clear()
         self._pending_rows = 0
+        self.stats.add(table)  # per coalesced batch: a few kernel calls per batch_rows rows
         self._writer.write_table(table)
 
     def finish(self) -> memoryview:
@@ -469,8 +475,8 @@ def iter_part_batches(
     """The stored updates of a part's bytes, batch by batch, whatever its format.
 
     Arrow parts (and inline ones) come in the batches they were written in
-    (about ``batch_rows`` rows for a staged part); Parquet parts are decoded
-    ``batch_rows`` rows at a time.
+    (about ``batch_rows`` rows for a staged part), read in place: views of
+    ``data``, no copy. Parquet parts are decoded ``batch_rows`` rows at a time.
     """
     try:
         if part.inline is not None or part.fmt == ARROW:

@@ -192,7 +192,7 @@ class BatchBuilder:
 
     def _submit_arrow(self) -> None:
         encoder, self._encoder = self._encoder, None
-        if encoder is not None and encoder.stats.rows:
+        if encoder is not None and encoder.rows:
             self._wait_for_slot()
             self._pending.append(self._executor().submit(self._upload_arrow, encoder))
 

@@ -74,6 +74,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "pubsub": ("pubsub", "write-to-listen latency and Consensus load with and without PubSub"),
     "spark-read": ("spark_read", "Spark batch and streaming reads of a shard"),
     "spark-write": ("spark_write", "the Spark sink's throughput and commit latency"),
+    "spark-freshness": (
+        "spark_freshness",
+        "two streaming queries: sink -> source freshness and per-phase costs beside files",
+    ),
     "load": ("load", "many writers and readers at once"),
     "all": ("report", "every benchmark, one report"),
 }

@@ -9,7 +9,10 @@ the API's, the benchmarks run two do-nothing peers in the same Spark session:
 - ``persist-bench-no-io``: a source that yields ``rows`` rows of the read schema from
   batches built once in memory (no fetch, no decode), over ``partitions`` tasks;
 - ``persist-bench-discard``: a sink whose tasks count the Arrow batches they receive
-  and keep nothing.
+  and keep nothing;
+- ``persist-bench-no-io-stream``: a streaming source whose every micro-batch is one
+  row made in memory (offsets a counter kept in the driver's source process): the
+  per-phase floor of any Python streaming source.
 
 Whatever these reach is the most any Python source or sink reaches on the machine.
 """
@@ -23,13 +26,16 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
     DataSourceReader,
+    DataSourceStreamReader,
     InputPartition,
     WriterCommitMessage,
 )
-from pyspark.sql.types import StructType
+from pyspark.sql.streaming.datasource import ReadLimit
+from pyspark.sql.types import LongType, StructField, StructType
 
 NO_IO = "persist-bench-no-io"
 DISCARD = "persist-bench-discard"
+NO_IO_STREAM = "persist-bench-no-io-stream"
 BATCH_ROWS = 65536
 """Rows per yielded batch: what persist's reader yields (``iter_parts``' slice size)."""
 
@@ -113,3 +119,46 @@ class DiscardSink(DataSource):
 
     def writer(self, schema: StructType, overwrite: bool) -> DiscardWriter:
         return DiscardWriter()
+
+
+class NoIOStreamReader(DataSourceStreamReader):
+    """Every micro-batch is one new row, ``value`` = its offset: nothing read, nothing kept."""
+
+    SCHEMA = StructType([StructField("value", LongType(), False)])
+
+    def initialOffset(self) -> dict[str, int]:
+        """Start at 0."""
+        return {"n": 0}
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        """One row more than ``start``."""
+        return {"n": start["n"] + 1}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
+        """One task holding the range."""
+        return [InputPartition((start["n"], end["n"]))]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The range's offsets as one batch."""
+        lo, hi = partition.value
+        yield pa.RecordBatch.from_pydict(
+            {"value": pa.array(range(lo, hi), pa.int64())},
+            schema=pa.schema([pa.field("value", pa.int64(), nullable=False)]),
+        )
+
+    def commit(self, end: dict[str, int]) -> None:
+        """Nothing to release."""
+
+
+class NoIOStreamSource(DataSource):
+    """``spark.readStream.format(NO_IO_STREAM)``: the floor of a Python streaming source."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NO_IO_STREAM
+
+    def schema(self) -> StructType:
+        return NoIOStreamReader.SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return NoIOStreamReader()

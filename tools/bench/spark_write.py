@@ -162,10 +162,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _session(master: str) -> Any:
     from pyspark.sql import SparkSession
 
+    # Spark's Python workers run this interpreter, so they import this pyspark_persist
+    # (by default they run the first python3 on PATH, which may hold another copy).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
     spark = (
         SparkSession.builder.master(master)
         .appName("persist-bench-spark-write")
-        .config("spark.pyspark.python", sys.executable)  # workers import this persist
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.sql.adaptive.enabled", "false")

@@ -1,0 +1,344 @@
+"""The Spark freshness benchmark: how soon a row written by one streaming query is seen by another.
+
+Run it as ``persist bench spark-freshness`` (or ``python -m
+pyspark_persist.tools.bench.spark_freshness``; ``--quick`` for a smoke run,
+``--json`` for machine-readable output). In one Spark session it runs, one
+after the other and for the same time, two-query pipelines:
+
+- **persist**: ``rate`` -> persist sink (query 1); persist source -> ``memory``
+  sink (query 2);
+- **file**: ``rate`` -> Spark's Parquet file sink; file source -> ``memory``;
+- **floor**: ``rate`` -> a ``foreachBatch`` that does nothing, beside a
+  Python streaming source that reads nothing (``ceiling.py``) -> the same
+  no-op: what Spark's micro-batches cost with no storage at all.
+
+Each row is stamped with the writer's micro-batch start (``current_timestamp()``
+in query 1 is that micro-batch's time) and, when it shows up in query 2, with
+the reader's micro-batch start; the freshness of a row is the difference.
+Only rows written after both queries have run ``--steady-seconds`` (10) count
+(steady state). Printed: p50 and p95 of each pipeline, persist's ratios to the
+file pipeline (targets: p50 <= 0.7x, p95 <= 0.8x), and the median of each
+micro-batch phase Spark reports (``durationMs``) for each query over the same
+steady window: persist's beside the file pipeline's and the floor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pkgutil
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+P50_TARGET = 0.7
+P95_TARGET = 0.8
+PHASES = ("addBatch", "latestOffset", "walCommit", "commitOffsets", "queryPlanning")
+"""The micro-batch phases shown (Spark's ``durationMs`` keys)."""
+KINDS = ("persist", "file", "floor")
+MIN_STEADY_BATCHES = 3
+STRETCH = 6
+
+
+@dataclass
+class Pipeline:
+    """One pipeline's steady-state freshness (ms) and per-query phase medians (ms)."""
+
+    kind: str
+    samples: int
+    p50_ms: float
+    p95_ms: float
+    max_ms: float
+    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``{"sink": {phase: median}, "reader": {...}}``."""
+
+
+@dataclass
+class Report:
+    """Everything one run measured."""
+
+    seconds: float
+    steady_seconds: float
+    rows_per_second: int
+    pubsub: str
+    pipelines: list[Pipeline] = field(default_factory=list)
+    p50_ratio: float = 0.0
+    p95_ratio: float = 0.0
+    targets: dict[str, bool] = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="run time of each pipeline (default 40)"
+    )
+    parser.add_argument(
+        "--steady-seconds",
+        type=float,
+        default=None,
+        help="rows written before both queries ran this long are dropped (default 10)",
+    )
+    parser.add_argument(
+        "--rows-per-second", type=int, default=50, help="rate of the writers' source (50)"
+    )
+    parser.add_argument(
+        "--pubsub",
+        default="auto",
+        help="the persist pipeline's pubsub option: how its source hears of the sink's "
+        "commits (default auto; off to poll Consensus)",
+    )
+    parser.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    parser.add_argument("--workdir", default=None, help="keep the stores here")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 14 s per pipeline, steady after 4 s"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _session(master: str) -> Any:
+    from pyspark.sql import SparkSession
+
+    # Spark's Python workers run this interpreter, so they import this pyspark_persist
+    # (by default they run the first python3 on PATH, which may hold another copy).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("persist-bench-spark-freshness")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.driver.memory", "2g")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _register(spark: Any) -> None:
+    if not any(m.name == "pyspark_persist" for m in pkgutil.iter_modules()):
+        from pyspark_persist import DefaultSource  # an editable install: not auto-discovered
+
+        spark.dataSource.register(DefaultSource)
+    from pyspark_persist.tools.bench.ceiling import NoIOStreamSource
+
+    spark.dataSource.register(NoIOStreamSource)
+
+
+def _progress_at(progress: Any) -> float:
+    """The wall-clock second a micro-batch started (its progress ``timestamp``)."""
+    return datetime.fromisoformat(progress.timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def _phases(query: Any, since: float) -> dict[str, float]:
+    """Median ms of each phase over the micro-batches that started at or after ``since``."""
+    spans: dict[str, list[float]] = {}
+    for progress in query.recentProgress:
+        if _progress_at(progress) >= since:
+            for phase, ms in progress.durationMs.items():
+                spans.setdefault(phase, []).append(ms)
+    return {phase: statistics.median(v) for phase, v in sorted(spans.items())}
+
+
+def _stop(query: Any, wait_s: float = 5.0) -> None:
+    """Stop a query between micro-batches when it can (an interrupted batch logs noise)."""
+    deadline = time.monotonic() + wait_s
+    while query.status.get("isTriggerActive") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    query.stop()
+
+
+def run_pipeline(
+    spark: Any, kind: str, seconds: float, steady: float, rate: int, workdir: str, pubsub: str
+) -> Pipeline:
+    """Run one pipeline (see the module doc) and measure it."""
+    from pyspark.sql import functions as F
+
+    tag = f"{kind}_{uuid.uuid4().hex[:8]}"
+    base = os.path.join(workdir, tag)
+    opts = {
+        "blob": f"file://{os.path.abspath(workdir)}/blob",
+        "consensus": f"sqlite:///{os.path.abspath(workdir)}/consensus.db",
+        "pubsub": pubsub,
+    }
+    events = (
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", rate)
+        .load()
+        .select(F.col("value"), F.unix_micros(F.current_timestamp()).alias("stamp_us"))
+    )
+    writer = events.writeStream.option("checkpointLocation", f"{base}/sink-ckpt").trigger(
+        processingTime="0 seconds"
+    )
+    if kind == "persist":
+        sink = writer.format("persist").options(**opts).start(tag)
+        while sink.lastProgress is None and sink.exception() is None:
+            time.sleep(0.05)  # the shard exists after the first commit
+        source = spark.readStream.format("persist").options(**opts).load(tag)
+    elif kind == "file":
+        sink = writer.format("parquet").option("path", f"{base}/data").start()
+        source = spark.readStream.schema(events.schema).parquet(f"{base}/data")
+    else:
+        sink = writer.foreachBatch(lambda _df, _id: None).start()
+        from pyspark_persist.tools.bench.ceiling import NO_IO_STREAM
+
+        source = spark.readStream.format(NO_IO_STREAM).load().withColumn("stamp_us", F.lit(0))
+    reading = source.select(
+        F.col("stamp_us"), F.unix_micros(F.current_timestamp()).alias("seen_us")
+    ).writeStream.option("checkpointLocation", f"{base}/read-ckpt")
+    if kind == "floor":
+        reader = reading.foreachBatch(lambda _df, _id: None).start()
+    else:
+        reader = reading.format("memory").queryName(tag).start()
+    queries = {"sink": sink, "reader": reader}
+    started = time.time()
+    steady_from = started + steady
+
+    def enough() -> bool:
+        """Every query ran MIN_STEADY_BATCHES steady micro-batches (a loaded machine is
+        slow: the run is stretched, up to STRETCH times, rather than reported empty)."""
+        return all(
+            sum(_progress_at(p) >= steady_from for p in q.recentProgress) >= MIN_STEADY_BATCHES
+            for q in queries.values()
+        )
+
+    try:
+        while time.time() - started < seconds or (
+            not enough() and time.time() - started < STRETCH * seconds
+        ):
+            for q in queries.values():
+                if q.exception() is not None:
+                    raise RuntimeError(f"{kind} pipeline failed: {q.exception()}")
+            time.sleep(0.25)
+        phases = {name: _phases(q, steady_from) for name, q in queries.items()}
+    finally:
+        for q in queries.values():
+            _stop(q)
+    if kind == "floor":
+        return Pipeline(kind, 0, 0.0, 0.0, 0.0, phases)
+    rows = spark.sql(
+        f"SELECT (seen_us - stamp_us) / 1000.0 AS ms FROM {tag} "
+        f"WHERE stamp_us >= {int(steady_from * 1e6)} ORDER BY ms"
+    ).collect()
+    spark.catalog.dropTempView(tag)
+    kept = [r.ms for r in rows]
+    if not kept:
+        raise RuntimeError(f"{kind} pipeline: no row written in steady state was seen")
+    return Pipeline(
+        kind,
+        len(kept),
+        round(statistics.median(kept), 1),
+        round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
+        round(kept[-1], 1),
+        phases,
+    )
+
+
+def run(ns: argparse.Namespace, spark: Any = None) -> Report:
+    """Run every pipeline as ``ns`` says; in ``spark`` if given (then left running)."""
+    seconds = ns.seconds if ns.seconds is not None else (14.0 if ns.quick else 40.0)
+    steady = ns.steady_seconds if ns.steady_seconds is not None else (4.0 if ns.quick else 10.0)
+    workdir = ns.workdir or tempfile.mkdtemp(prefix="persist-bench-freshness-")
+    os.makedirs(workdir, exist_ok=True)
+    own = spark is None
+    session = _session(ns.master) if own else spark
+    _register(session)
+    report = Report(seconds, steady, ns.rows_per_second, ns.pubsub)
+    try:
+        for kind in KINDS:
+            report.pipelines.append(
+                run_pipeline(session, kind, seconds, steady, ns.rows_per_second, workdir, ns.pubsub)
+            )
+    finally:
+        if own:
+            session.stop()
+        if ns.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    persist, files = report.pipelines[0], report.pipelines[1]
+    report.p50_ratio = round(persist.p50_ms / files.p50_ms, 3)
+    report.p95_ratio = round(persist.p95_ms / files.p95_ms, 3)
+    report.targets["p50"] = report.p50_ratio <= P50_TARGET
+    report.targets["p95"] = report.p95_ratio <= P95_TARGET
+    for query in ("sink", "reader"):
+        for phase in PHASES:
+            mine = persist.phases_ms.get(query, {}).get(phase)
+            theirs = files.phases_ms.get(query, {}).get(phase)
+            if mine is not None and theirs is not None and phase != "queryPlanning":
+                report.targets[f"{query} {phase}"] = mine <= theirs
+    return report
+
+
+def render(report: Report) -> str:
+    """The report as tables for people."""
+    by = {p.kind: p for p in report.pipelines}
+    lines = [
+        f"persist bench spark-freshness: {report.rows_per_second} rows/s, "
+        f"{report.seconds:g} s per pipeline, steady state after {report.steady_seconds:g} s, "
+        f"persist pubsub={report.pubsub}",
+        "",
+        "Freshness (writer's micro-batch start -> reader's), ms:",
+        f"  {'pipeline':<40}{'samples':>8}{'p50':>8}{'p95':>8}{'max':>8}",
+    ]
+    names = {
+        "persist": "rate -> persist sink -> persist source",
+        "file": "rate -> file sink -> file source",
+    }
+    for kind, name in names.items():
+        p = by[kind]
+        lines.append(f"  {name:<40}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}")
+
+    def verdict(key: str) -> str:
+        return "met" if report.targets[key] else "NOT met"
+
+    lines.append(
+        f"  persist/file: p50 {report.p50_ratio:.2f}x (target <= {P50_TARGET}x: "
+        f"{verdict('p50')}), p95 {report.p95_ratio:.2f}x (target <= {P95_TARGET}x: "
+        f"{verdict('p95')})"
+    )
+    lines.append("")
+    lines.append("Median ms per micro-batch phase (steady state):")
+    lines.append(f"  {'query':<8}{'phase':<15}{'persist':>9}{'file':>9}{'floor':>9}  persist<=file")
+    for query in ("sink", "reader"):
+        for phase in PHASES:
+            cells = [by[k].phases_ms.get(query, {}).get(phase) for k in KINDS]
+            if all(c is None for c in cells):
+                continue
+            shown = "".join(f"{'-' if c is None else f'{c:.0f}':>9}" for c in cells)
+            key = f"{query} {phase}"
+            mark = "" if key not in report.targets else ("yes" if report.targets[key] else "NO")
+            lines.append(f"  {query:<8}{phase:<15}{shown}  {mark}")
+    lines.append(
+        "  (floor: rate -> foreachBatch no-op as the sink, a no-I/O Python source -> no-op "
+        "as the reader)"
+    )
+    return "\n".join(lines)
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run and print; 0 whether or not the targets are met."""
+    report = run(ns)
+    print(json.dumps(asdict(report), indent=2) if ns.json else render(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pyspark_persist.tools.bench.spark_freshness [--quick] [--json]``."""
+    parser = argparse.ArgumentParser(
+        prog="persist bench spark-freshness",
+        description="Freshness of a persist sink -> persist source pipeline beside files.",
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
