@@ -65,10 +65,11 @@ def parse_retention(value: str | int, *, name: str = "retention") -> int:
 
 
 def format_retention(ms: int) -> str:
-    """The shortest exact form of a retention period (``7d``, ``90m``), or ``none``."""
+    """The shortest exact form of a retention period in days or less (``7d``, ``90m``), or
+    ``none``."""
     if ms <= 0:
         return "none"
-    for unit in ("w", "d", "h", "m", "s"):
+    for unit in ("d", "h", "m", "s"):
         if ms % _UNITS_MS[unit] == 0:
             return f"{ms // _UNITS_MS[unit]}{unit}"
     return f"{ms}ms"

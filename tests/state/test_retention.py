@@ -72,7 +72,14 @@ def test_parse_retention_refuses_with_the_accepted_forms(bad: str | int) -> None
 
 @pytest.mark.parametrize(
     ("ms", "text"),
-    [(0, "none"), (7 * D, "1w"), (3 * D, "3d"), (90 * 60_000, "90m"), (1500, "1500ms")],
+    [
+        (0, "none"),
+        (7 * D, "7d"),
+        (14 * D, "14d"),
+        (3 * D, "3d"),
+        (90 * 60_000, "90m"),
+        (1500, "1500ms"),
+    ],
 )
 def test_format_retention_is_the_shortest_exact_form(ms: int, text: str) -> None:
     assert format_retention(ms) == text
