@@ -30,6 +30,7 @@ from pyspark_persist.state.client import (
 )
 from pyspark_persist.state.errors import InvalidUri, InvalidUsage
 from pyspark_persist.state.registry import resolve
+from pyspark_persist.state.retention import parse_retention
 from pyspark_persist.state.times import parse_time
 
 Purpose = Literal["read", "stream_read", "read_schema", "write", "stream_write"]
@@ -59,6 +60,7 @@ WRITER_ID = "writerid"
 TXN_VERSION = "txnversion"
 LEASE_SECONDS = "leaseseconds"
 PART_SIZE = "partsizebytes"
+RETENTION = "retention"
 CHECKPOINT = "checkpointlocation"
 FILTER_PUSHDOWN = "filterpushdown"
 QUERY_NAME = "queryname"
@@ -120,6 +122,7 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("txnAppId", WRITER_ID, _BATCH_WRITE),  # Delta's name for writerId
     OptionName("txnVersion", TXN_VERSION, _BATCH_WRITE),  # Delta's name too
     OptionName("partSizeBytes", PART_SIZE, _WRITES),
+    OptionName("retention", RETENTION, _WRITES),
     OptionName("checkpointLocation", CHECKPOINT, _STREAM_WRITE),  # Spark's, for streaming
     OptionName("queryName", QUERY_NAME, _STREAM_WRITE),  # Spark's, from .queryName(name)
 )
@@ -223,6 +226,8 @@ class PersistOptions:
     checkpoint_location: str | None = None
     filter_pushdown: bool = False
     lease_seconds: int | None = None
+    retention_ms: int | None = None
+    """The shard's retention period to set (on creation or after); None leaves it as it is."""
     said: Mapping[str, str] = field(default_factory=dict)
     """The option name the user gave each setting by (an alias, or persist's own name)."""
 
@@ -319,8 +324,20 @@ class PersistOptions:
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
             lease_seconds=_int(opts, said, LEASE_SECONDS, minimum=1),
+            retention_ms=_retention(opts, said),
             said={k: v for k, v in said.items() if k in opts},
         )
+
+
+def _retention(opts: Mapping[str, str], said: Mapping[str, str]) -> int | None:
+    """The ``retention`` option in milliseconds (``7d``, ``12h``, ms...), or None if not given."""
+    value = opts.get(RETENTION)
+    if value is None or value == "":
+        return None
+    try:
+        return parse_retention(value, name=f"option {said[RETENTION]}")
+    except InvalidUsage as e:
+        raise InvalidUsage(f"persist: {e}") from None
 
 
 def _check_history(opts: Mapping[str, str], said: Mapping[str, str]) -> None:

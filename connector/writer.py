@@ -147,7 +147,9 @@ def _read_remote(uri: str) -> bytes:
 def _prepare_shard(opts: PersistOptions, schema: StructType) -> tuple[bytes, bool]:
     """Create the shard on first write, or check the DataFrame matches it; before any task."""
     arrow, has_diff = write_schema(schema)
-    shard = client_for(opts).open_shard(opts.shard, arrow, create=True)
+    shard = client_for(opts).open_shard(
+        opts.shard, arrow, create=True, retention_ms=opts.retention_ms
+    )
     return encode_schema(shard.schema), has_diff
 
 

@@ -33,6 +33,7 @@ from .parts import (
     validate_schema,
 )
 from .read import ReadHandle
+from .retention import parse_retention, set_retention
 from .state import ShardState, Time
 from .tracing import traced
 from .write import WriteHandle
@@ -146,15 +147,24 @@ class PersistClient:
 
     @traced("PersistClient.open_shard", lambda _self, name, *_a, **_k: name)
     def open_shard(
-        self, name: str, schema: pa.Schema | None = None, *, create: bool = True
+        self,
+        name: str,
+        schema: pa.Schema | None = None,
+        *,
+        create: bool = True,
+        retention_ms: int | str | None = None,
     ) -> Shard:
         """Open shard ``name``, creating it with ``schema`` if it is new and ``create`` is set.
 
         With a schema, an existing shard must have exactly that schema
         (SchemaMismatch otherwise). Without one, the shard must exist.
+        ``retention_ms`` (milliseconds, or a duration such as ``"7d"``; 0: none)
+        sets the shard's retention period (see state/retention.py), on an
+        existing shard too; ``None`` leaves it as it is.
         """
         machine = self.machine(name)
         user_schema = None if schema is None else validate_schema(schema)
+        retention_ms = None if retention_ms is None else parse_retention(retention_ms)
         try:
             state = machine.fetch_latest()
         except ShardNotFound:
@@ -167,29 +177,34 @@ class PersistClient:
                         else "open it with create=True to create it"
                     )
                 ) from None
-            state = self._create(machine, user_schema)
+            state = self._create(machine, user_schema, retention_ms or 0)
         shard = Shard(self, machine, decode_schema(state.schema))
         if user_schema is not None and not user_schema.equals(shard.schema):
             raise SchemaMismatch(schema_mismatch_message(name, shard.schema, user_schema))
+        if retention_ms is not None and state.retention_ms != retention_ms:
+            shard.set_retention(retention_ms)
         return shard
 
     @traced("PersistClient.create_shard", lambda _self, name, *_a, **_k: name)
-    def create_shard(self, name: str, schema: pa.Schema) -> Shard:
+    def create_shard(
+        self, name: str, schema: pa.Schema, *, retention_ms: int | str | None = None
+    ) -> Shard:
         """Create a new shard; ShardExists if the name is taken."""
         machine = self.machine(name)
         user_schema = validate_schema(schema)
+        retention = 0 if retention_ms is None else parse_retention(retention_ms)
         try:
             machine.fetch_latest()
         except ShardNotFound:
-            self._create(machine, user_schema)
+            self._create(machine, user_schema, retention)
             return Shard(self, machine, user_schema)
         raise ShardExists(
             f"shard {name!r} already exists in consensus {self.consensus.uri}: open it with "
             "open_shard, or choose another name"
         )
 
-    def _create(self, machine: Machine, schema: pa.Schema) -> ShardState:
-        diff = create_shard(machine.shard_id, encode_schema(schema), self._clock_ms())
+    def _create(self, machine: Machine, schema: pa.Schema, retention_ms: int = 0) -> ShardState:
+        diff = create_shard(machine.shard_id, encode_schema(schema), self._clock_ms(), retention_ms)
         row = VersionedData(diff.to_seqno, encode(diff))
         res = self.consensus.compare_and_set(machine.shard_id, None, row)
         if isinstance(res, CaSCommitted):
@@ -279,6 +294,22 @@ class Shard:
     def compact(self) -> list[CompactionReport]:
         """Run compaction now until the policy asks for nothing more."""
         return self.client.maintenance.compact_now(self.machine)
+
+    @property
+    def retention_ms(self) -> int:
+        """The shard's retention period in milliseconds, 0 for none (read from Consensus now)."""
+        return self.state().retention_ms
+
+    @traced("Shard.set_retention", "name")
+    def set_retention(self, retention: int | str) -> int:
+        """Set the retention period (ms, or ``"7d"``, ``"12h"``...; 0: none); returns it in ms.
+
+        Maintenance then keeps since at most that far behind the clock, never
+        past a reader's hold; a longer period cannot bring back what since
+        already passed.
+        """
+        ms = parse_retention(retention)
+        return self.machine.run(lambda s: set_retention(s, retention_ms=ms))
 
     @traced("Shard.gc", "name")
     def gc(self) -> GcReport:

@@ -79,15 +79,17 @@ class AlreadyCommitted:
 AppendResult = Committed | UpperMismatch | AlreadyCommitted
 
 
-def create_shard(shard_id: str, schema: bytes, now_ms: int) -> StateDiff:
+def create_shard(shard_id: str, schema: bytes, now_ms: int, retention_ms: int = 0) -> StateDiff:
     """The diff that brings a new shard from nothing to SeqNo 1."""
-    return (
+    b = (
         DiffBuilder(EMPTY_STATE)
         .set("shard_id", shard_id)
         .set("schema", schema)
         .set("created_ms", now_ms)
-        .build()
     )
+    if retention_ms:
+        b.set("retention_ms", retention_ms)
+    return b.build()
 
 
 def compare_and_append(

@@ -13,7 +13,9 @@ trace holds O(fan_in * log(rows)) batches. Runs bigger than
 ``compaction_memory_bytes`` are merged by concatenating their part lists
 (no rewrite), which keeps memory bounded.
 
-**GC** deletes what no reader can need any more. The oldest SeqNo any
+**GC** first moves since up by the shard's retention period, if it has one
+(:mod:`~pyspark_persist.state.retention`), then deletes what no reader can
+need any more. The oldest SeqNo any
 reader holds (``seqno_since``) fixes the line: every state at or after it
 must stay readable, so GC keeps the parts its state references and deletes
 the parts of batches removed by diffs before it. Then it makes sure a rollup
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import commands
+from . import commands, retention
 from .config import PersistConfig
 from .consensus import VersionedData
 from .diff import decode
@@ -93,10 +95,15 @@ def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch,
     its inputs' tier and leave tiers interleaved so that no such run forms;
     so, second, once the trace holds more than ``fan_in * MAX_TIERS``
     batches, the adjacent ``fan_in`` with the fewest rows merge. Together
-    they bound the trace at about ``fan_in * MAX_TIERS`` batches.
+    they bound the trace at about ``fan_in * MAX_TIERS`` batches. Before
+    either, on a shard with retention, the leading batches since has passed
+    (:func:`~pyspark_persist.state.retention.expired_run`).
     """
     trace = state.trace
     fan = config.compaction_fan_in
+    expired = retention.expired_run(state, fan)
+    if expired is not None:
+        return expired
     if len(trace) < fan:
         return None
     tiers = [tier(b, fan) for b in trace]
@@ -276,12 +283,13 @@ class GcReport:
 
 @traced("gc")
 def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) -> GcReport:
-    """Expire stale readers and idle writers, delete unreferenced parts and rollups, truncate
-    Consensus."""
+    """Expire stale readers and idle writers, advance since by the shard's retention, delete
+    unreferenced parts and rollups, truncate Consensus."""
     now = machine.clock_ms()
     expired = machine.run(lambda s: commands.expire_leased_readers(s, now_ms=now))
     idle_ms = int(machine.config.writer_idle_expiry_s * 1000)
     writers = machine.run(lambda s: commands.expire_writers(s, now_ms=now, idle_ms=idle_ms))
+    machine.run(lambda s: retention.advance_since(s, now_ms=now))
     state = machine.fetch_latest()
     seqno_since = state.seqno_since
     claimed = machine.run(lambda s: commands.claim_gc(s, seqno_since=seqno_since))

@@ -13,7 +13,8 @@ Invariants (checked by :meth:`ShardState.check_invariants` in tests):
 - ``seqno`` increases by one with every diff;
 - ``upper`` only advances; ``since`` only advances (it is the meet of the
   readers' since holds, and may pass ``upper``: then no read is possible
-  until writes catch up);
+  until writes catch up; a shard with a retention period also moves it up
+  to ``now - retention``, never past a reader's hold or ``upper - 1``);
 - the batches tile ``[0, upper)``: sorted by ``lower``, each one's ``lower``
   is the previous one's ``upper``, none is empty (``lower < upper``).
 """
@@ -289,7 +290,15 @@ MAP_CODECS: dict[str, Any] = {
 }
 """The map-valued fields of ShardState and the type of their values (rollups map int->str)."""
 
-SCALARS: tuple[str, ...] = ("shard_id", "schema", "since", "upper", "created_ms", "last_gc_seqno")
+SCALARS: tuple[str, ...] = (
+    "shard_id",
+    "schema",
+    "since",
+    "upper",
+    "created_ms",
+    "last_gc_seqno",
+    "retention_ms",
+)
 """The scalar fields of ShardState that a diff may set (seqno is the diff's own)."""
 
 
@@ -304,6 +313,9 @@ class ShardState:
     upper: Time
     created_ms: int = 0
     last_gc_seqno: int = 0
+    retention_ms: int = 0
+    """How far behind the clock maintenance keeps since (0: no retention, readers alone move it);
+    see :mod:`pyspark_persist.state.retention`."""
     batches: Mapping[str, Batch] = field(default_factory=lambda: EMPTY_MAP)
     writers: Mapping[str, WriterState] = field(default_factory=lambda: EMPTY_MAP)
     leased_readers: Mapping[str, LeasedReaderState] = field(default_factory=lambda: EMPTY_MAP)

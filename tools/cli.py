@@ -12,6 +12,7 @@ Commands::
     persist shards history NAME [--limit N] [--json]     # each commit: operation, writer, rows
     persist shards compact NAME [--dry-run] [--json]     # compaction now
     persist shards gc NAME [--dry-run] [--json]          # GC now (with the orphan sweep)
+    persist shards alter NAME --retention 7d [--json]    # set the retention period (0: none)
     persist shards drop NAME [--yes] [--force] [--json]  # delete the shard
     persist pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K] [--token T]
                          [--allow-remote] [--metrics-port N]  # the PubSub server, in the foreground
@@ -448,6 +449,7 @@ def inspect_shard(client: PersistClient, shard: Shard, pubsub: str | None = None
         "last_gc_seqno": state.last_gc_seqno,
         "rollups": sorted(state.rollups),
         "created_ms": state.created_ms,
+        "retention_ms": state.retention_ms,
         "totals": {
             "batches": len(batches),
             "parts": sum(len(b.parts) for b in batches),
@@ -510,6 +512,7 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"schema     {', '.join(info['schema'])}",
         f"upper      {_time(info['upper'])}",
         f"since      {_time(info['since'])}",
+        f"retention  {_retention(info['retention_ms'])}",
         f"seqno      {hi} (consensus holds {lo}..{hi}; readers hold from {info['seqno_since']}; "
         f"last gc at {info['last_gc_seqno']})",
         f"rollups    {', '.join(map(str, info['rollups'])) or '-'}",
@@ -643,13 +646,24 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
 _SHOW_ATTEMPTS = 5
 
 
+def _retention(ms: int) -> str:
+    """A retention period as people write it, with what it does."""
+    from pyspark_persist.state.retention import format_retention
+
+    if ms <= 0:
+        return "none (only readers advance since)"
+    return f"{format_retention(ms)} (since follows the clock, held back by readers)"
+
+
 def show(where: Location, name: str, as_of: int | None, limit: int | None) -> dict[str, Any]:
     """The consolidated contents of ``name`` at ``as_of`` (what ``shards show`` prints)."""
     with _shard(where, name) as (_client, shard):
         at, table = read_as_of(shard, as_of)
+        retention_ms = shard.machine.state().retention_ms
     shown = table.slice(0, limit) if limit is not None else table
     return {
         "shard": name,
+        "retention_ms": retention_ms,
         "as_of": at,
         "total_rows": table.num_rows,
         "columns": shown.column_names,
@@ -666,6 +680,8 @@ def format_show(result: dict[str, Any]) -> str:
         f"shard {result['shard']!r} as of {_time(result['as_of'])}: {total} distinct "
         f"(row, time) with a non-zero diff{more}"
     )
+    if result["retention_ms"]:
+        lines.append(f"retention {_retention(result['retention_ms'])}")
     return "\n".join(lines)
 
 
@@ -805,6 +821,24 @@ def format_gc(result: dict[str, Any]) -> str:
         f"{result['consensus_rows_deleted']} consensus row(s), {result['orphans_deleted']} "
         f"orphan(s); expired {len(result['readers_expired'])} reader(s), "
         f"{len(result.get('writers_expired', []))} idle writer(s); in {result['seconds']:.2f} s"
+    )
+
+
+def alter(where: Location, name: str, *, retention_ms: int) -> dict[str, Any]:
+    """Set ``name``'s retention period (what ``shards alter`` does); since moves at the next GC."""
+    with _shard(where, name) as (_client, shard):
+        before = shard.machine.fetch_latest().retention_ms
+        after = shard.set_retention(retention_ms)
+        since = shard.since
+    return {"shard": name, "retention_ms": after, "previous_retention_ms": before, "since": since}
+
+
+def format_alter(result: dict[str, Any]) -> str:
+    """The readable form of :func:`alter`."""
+    return (
+        f"shard {result['shard']!r}: retention {_retention(result['retention_ms'])}, was "
+        f"{_retention(result['previous_retention_ms']).split(' ')[0]}; since is "
+        f"{_time(result['since'])} (GC advances it)"
     )
 
 
@@ -1044,6 +1078,24 @@ class _TimeParam(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class _RetentionParam(click.ParamType):
+    """A retention period: ``7d``, ``12h``, ``30m``, ``45s``, ``500ms``, ``2w`` or milliseconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """The period in milliseconds, or click's usage error (exit 2) naming the forms."""
+        from pyspark_persist.state.errors import InvalidUsage
+        from pyspark_persist.state.retention import parse_retention
+
+        try:
+            return parse_retention(
+                value if isinstance(value, int) else str(value), name="--retention"
+            )
+        except InvalidUsage as e:
+            self.fail(str(e), param, ctx)
+
+
 def _as_of_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--as-of T``, a time (``show`` reads at it, ``tail`` prints what comes after it)."""
     return click.option(
@@ -1235,6 +1287,27 @@ def shards_gc(name: str, dry_run: bool, as_json: bool) -> int:
     """Run garbage collection now: expire stale readers, delete garbage, truncate Consensus,
     sweep orphans."""
     return _emit(gc(_where(), name, dry_run=dry_run), as_json, format_gc)
+
+
+@shards.command("alter", short_help="Change a shard's settings (its retention period).")
+@_location_options
+@click.argument("name", metavar="NAME")
+@click.option(
+    "--retention",
+    type=_RetentionParam(),
+    required=True,
+    metavar="DURATION",
+    help="keep since at most this far behind the clock: 7d, 12h, 30m, 45s, 500ms or "
+    "milliseconds; 0 or off: no retention",
+)
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
+def shards_alter(name: str, retention: int, as_json: bool) -> int:
+    """Change a shard's retention period. With one, GC advances since to now minus the period
+    even when nobody reads, so compaction folds old versions away and storage stays bounded;
+    since never passes a registered reader's hold. A longer period cannot bring back what since
+    already passed."""
+    return _emit(alter(_where(), name, retention_ms=retention), as_json, format_alter)
 
 
 @shards.command("drop", short_help="Delete a shard for good (asks first).")

@@ -257,3 +257,26 @@ def test_capped_snapshot_is_cut_and_lag_shows_in_progress_and_the_metrics_file(
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [x["planned_rows"] for x in lines] == [100, 100, 100]
     assert [x["behind"]["rows"] for x in lines] == [200, 100, 0]
+
+
+def test_retention_write_option_sets_the_shards_period(spark: SparkSession) -> None:
+    """Item 4: ``retention`` on a write sets the shard's retention period (on creation, and
+    when changed later); a bad period is refused before anything is written."""
+    name = f"ret-{uuid.uuid4().hex[:12]}"
+    df = spark.createDataFrame(rows(range(0, 5)).select(["id", "s"]).to_pandas())
+    msg = error_of(
+        lambda: df.write.format("persist").option("retention", "7 days").mode("append").save(name)
+    )
+    assert "option retention '7 days' is not a duration" in msg and "7d" in msg
+    client = PersistClient.open()
+    assert name not in client.list_shards()
+    df.write.format("persist").option("retention", "7d").mode("append").save(name)
+    shard = client.open_shard(name)
+    assert shard.retention_ms == 7 * DAY
+    df.write.format("persist").option("retention", "12h").mode("append").save(name)
+    assert shard.retention_ms == DAY // 2
+    df.write.format("persist").mode("append").save(name)  # not given: left as it is
+    assert shard.retention_ms == DAY // 2
+    assert consolidated(spark.read.format("persist").load(name).collect()) == Counter(
+        {(r["id"], r["s"]): 3 for r in rows(range(0, 5)).to_pylist()}
+    )

@@ -41,6 +41,7 @@ def test_every_command_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> 
         ("shards", "compact"),
         ("shards", "gc"),
         ("shards", "drop"),
+        ("shards", "alter"),
         ("pubsub", "serve"),
         ("check",),
         ("bench", "core"),
@@ -99,6 +100,36 @@ def test_gc_dry_run_changes_nothing_and_names_what_gc_deletes(
     deleted = {k for k, _ in before["blob"]} - {k for k, _ in stored(home)["blob"]}
     assert deleted == set(plan["parts"]) | set(plan["orphans"])
     assert done["parts_deleted"] == len(plan["parts"])
+
+
+def test_alter_retention_is_shown_and_readers_still_hold_since(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = stored(home)
+    status, out, err = run(capsys, "shards", "alter", SHARD, "--retention", "7 days")
+    assert status == 2 and "--retention" in err and "7d" in err
+    assert stored(home) == before  # a bad period is refused before anything is written
+    status, out, err = run(capsys, "shards", "alter", SHARD, "--retention", "12h", "--json")
+    assert status == 0, err
+    assert json.loads(out) == {
+        "shard": SHARD,
+        "retention_ms": 12 * 3_600_000,
+        "previous_retention_ms": 0,
+        "since": 0,
+    }
+    status, out, _ = run(capsys, "shards", "show", SHARD)
+    assert status == 0 and out.splitlines()[-1].startswith("retention 12h (since follows")
+    _, out, _ = run(capsys, "shards", "inspect", SHARD, "--json")
+    assert json.loads(out)["retention_ms"] == 12 * 3_600_000
+    # The clock is far past every time of the shard, but its readers hold since at 0.
+    run(capsys, "shards", "gc", SHARD)
+    _, out, _ = run(capsys, "shards", "inspect", SHARD)
+    assert (
+        "retention  12h" in out
+        and json.loads(run(capsys, "inspect", SHARD, "--json")[1])["since"] == 0
+    )
+    status, out, _ = run(capsys, "shards", "alter", SHARD, "--retention", "0")
+    assert status == 0 and "retention none" in out and "was 12h" in out
 
 
 def _answer(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
