@@ -65,16 +65,16 @@ def test_writers_idle_past_the_expiry_are_forgotten_by_gc() -> None:
     try:
         shard = client.open_shard("writers", SCHEMA)
         for i in range(20):
-            shard.writer(f"old-{i}").compare_and_append(pa.table({"k": [i]}), i, i + 1)
+            shard.writer(f"old-{i}").compare_and_append(pa.table({"k": [i]}), i, i + 1, token=1)
         clock[0] += 6 * DAY_MS
-        shard.writer("recent").compare_and_append(pa.table({"k": [99]}), 20, 21)
+        shard.writer("recent").compare_and_append(pa.table({"k": [99]}), 20, 21, token=1)
         assert shard.gc().writers_expired == ()
         clock[0] += 2 * DAY_MS  # the old writers are 8 days idle, the recent one 2
         report = shard.gc()
         assert report.writers_expired == tuple(sorted(f"old-{i}" for i in range(20)))
         assert set(shard.state().writers) == {"recent"}
         # A forgotten writer id registers afresh with its next commit.
-        shard.writer("old-3").compare_and_append(pa.table({"k": [7]}), 21, 22)
+        shard.writer("old-3").compare_and_append(pa.table({"k": [7]}), 21, 22, token=2)
         assert set(shard.state().writers) == {"recent", "old-3"}
         rows = shard.reader().snapshot_table()
         got = dict(zip(rows.column("k").to_pylist(), rows.column("_diff").to_pylist(), strict=True))

@@ -74,13 +74,20 @@ CASES: dict[str, Case] = {
         ("shards", "show", "events", "--as-of", "99999999999999"),
         1,
         "is at or past the upper",
-        "or earlier",
+        "pick a time from 0 to",
     ),
     "tail-as-of": Case(
         ("shards", "tail", "events", "--as-of", "x"),
         2,
-        "'x' is not a valid integer",
+        "--as-of='x' is not a time: give epoch milliseconds",
         "see persist shards tail --help",
+    ),
+    "history-missing": Case(("shards", "history", "nope"), 1, MISSING, SEE_LIST),
+    "alter-retention": Case(
+        ("shards", "alter", "events", "--retention", "7 days"),
+        2,
+        "is not a duration",
+        "see persist shards alter --help",
     ),
     "compact-flag": Case(
         ("shards", "compact", "events", "--yes"),

@@ -22,9 +22,9 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     with PersistClient.open(config=PersistConfig(maintenance=False)) as client:
         shard = client.open_shard("events", pa.schema([("id", pa.int64())]))
         w1 = shard.writer("w1")
-        w1.compare_and_append(pa.table({"id": [1, 2, 3]}), 0, 10)
-        w1.compare_and_append(pa.table({"id": [4]}), 10, 20)
-        shard.writer("w2").compare_and_append(pa.table({"id": [1], "_diff": [-1]}), 20, 30)
+        w1.compare_and_append(pa.table({"id": [1, 2, 3]}), 0, 10, token=1)
+        w1.compare_and_append(pa.table({"id": [4]}), 10, 20, token=2)
+        shard.writer("w2").compare_and_append(pa.table({"id": [1], "_diff": [-1]}), 20, 30, token=1)
     yield home
 
 
