@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace as dc_replace
 
-import pyarrow as pa
 import pytest
+from key_helpers import SCHEMA, counts, updates
 
 from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
@@ -30,31 +30,8 @@ from pyspark_persist.state.consensus import (
 )
 from pyspark_persist.state.errors import Indeterminate, StagedPartsExpired
 from pyspark_persist.state.maintenance import compact, compaction_request
-from pyspark_persist.state.parts import DIFF
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 from pyspark_persist.state.write import StagedBatch
-
-SCHEMA = pa.schema([("k", pa.int64())])
-
-
-def updates(keys: list[int], t: int) -> pa.Table:
-    """One row per key at time ``t`` with diff +1."""
-    n = len(keys)
-    return pa.table(
-        {
-            "k": pa.array(keys, pa.int64()),
-            "_time": pa.array([t] * n, pa.uint64()),
-            DIFF: pa.array([1] * n, pa.int64()),
-        }
-    )
-
-
-def counts(table: pa.Table) -> collections.Counter[int]:
-    """The multiset a snapshot table stands for."""
-    out: collections.Counter[int] = collections.Counter()
-    for k, d in zip(table.column("k").to_pylist(), table.column(DIFF).to_pylist(), strict=True):
-        out[k] += d
-    return +out
 
 
 class HookedConsensus(UnreliableConsensus):
