@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pyarrow as pa
+import pytest
+from pyspark.sql import DataFrame, SparkSession
 
 from pyspark_persist.state import Shard
 from pyspark_persist.state.maintenance import compact
@@ -31,3 +36,43 @@ def rows(ids: range | list[int], diff: int = 1) -> pa.Table:
             "_diff": pa.array([diff] * len(ids), pa.int64()),
         }
     )
+
+
+def run_available_now(
+    spark: SparkSession,
+    shard: Shard | str,
+    checkpoint: Path,
+    options: dict[str, str] | None = None,
+    on_batch: Any = None,
+) -> list[list[Any]]:
+    """Run the source with Trigger.AvailableNow; every micro-batch's rows, in order."""
+    batches: dict[int, list[Any]] = {}
+
+    def collect(df: DataFrame, batch_id: int) -> None:
+        if on_batch is not None:
+            on_batch(batch_id)  # runs after planning, before the tasks read
+        batches[batch_id] = df.collect()
+
+    name = shard if isinstance(shard, str) else shard.name
+    reader = spark.readStream.format("persist")
+    for k, v in (options or {}).items():
+        reader = reader.option(k, v)
+    q = (
+        reader.load(name)
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert q.awaitTermination(180), "query did not finish"
+    finally:
+        q.stop()
+    return [batches[k] for k in sorted(batches)]
+
+
+def error_of(fn: Any) -> str:
+    """The text of the exception ``fn`` raises (Spark wraps Python errors; keep it all)."""
+    with pytest.raises(Exception) as ei:  # noqa: B017 - Spark wraps in several types
+        fn()
+    return str(ei.value)

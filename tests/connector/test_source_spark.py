@@ -23,8 +23,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from pyspark.sql import DataFrame, SparkSession
-from source_helpers import SCHEMA, Row, merge_all, rows
+from pyspark.sql import SparkSession
+from source_helpers import SCHEMA, Row, error_of, merge_all, rows, run_available_now
 from spark_fixtures import auto_registered
 
 from pyspark_persist.state import PersistClient, Shard, commands
@@ -56,46 +56,6 @@ def contents(shard: Shard) -> Counter[Row]:
     """The shard now, through the Python API."""
     with shard.reader() as r:
         return consolidated(r.snapshot_table().to_pylist())
-
-
-def run_available_now(
-    spark: SparkSession,
-    shard: Shard | str,
-    checkpoint: Path,
-    options: dict[str, str] | None = None,
-    on_batch: Any = None,
-) -> list[list[Any]]:
-    """Run the source with Trigger.AvailableNow; every micro-batch's rows, in order."""
-    batches: dict[int, list[Any]] = {}
-
-    def collect(df: DataFrame, batch_id: int) -> None:
-        if on_batch is not None:
-            on_batch(batch_id)  # runs after planning, before the tasks read
-        batches[batch_id] = df.collect()
-
-    name = shard if isinstance(shard, str) else shard.name
-    reader = spark.readStream.format("persist")
-    for k, v in (options or {}).items():
-        reader = reader.option(k, v)
-    q = (
-        reader.load(name)
-        .writeStream.foreachBatch(collect)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    try:
-        assert q.awaitTermination(180), "query did not finish"
-    finally:
-        q.stop()
-    return [batches[k] for k in sorted(batches)]
-
-
-def error_of(fn: Any) -> str:
-    """The text of the exception ``fn`` raises (Spark wraps Python errors; keep it all)."""
-    with pytest.raises(Exception) as ei:  # noqa: B017 - Spark wraps in several types
-        fn()
-    return str(ei.value)
 
 
 # --- streaming ---------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from pyspark.sql import DataFrame, SparkSession
-from source_helpers import SCHEMA, Row, rows
+from pyspark.sql import SparkSession
+from source_helpers import SCHEMA, Row, error_of, rows, run_available_now
 
 from pyspark_persist.state import PersistClient, Shard
 
@@ -46,38 +46,6 @@ def consolidated(updates: list[Any]) -> Counter[Row]:
     for u in updates:
         c[(u["id"], u["s"])] += u["_diff"]
     return Counter({k: v for k, v in c.items() if v})
-
-
-def run_available_now(
-    spark: SparkSession, shard: Shard, checkpoint: Path, options: dict[str, str]
-) -> list[list[Any]]:
-    """Run the source with Trigger.AvailableNow; every micro-batch's rows, in order."""
-    batches: dict[int, list[Any]] = {}
-
-    def collect(df: DataFrame, batch_id: int) -> None:
-        batches[batch_id] = df.collect()
-
-    q = (
-        spark.readStream.format("persist")
-        .options(**options)
-        .load(shard.name)
-        .writeStream.foreachBatch(collect)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    try:
-        assert q.awaitTermination(180), "query did not finish"
-    finally:
-        q.stop()
-    return [batches[k] for k in sorted(batches)]
-
-
-def error_of(fn: Any) -> str:
-    """The text of the exception ``fn`` raises (Spark wraps Python errors; keep it all)."""
-    with pytest.raises(Exception) as ei:  # noqa: B017 - Spark wraps in several types
-        fn()
-    return str(ei.value)
 
 
 def test_times_as_iso_text_and_dates_with_deltas_names(spark: SparkSession, tmp_path: Path) -> None:
