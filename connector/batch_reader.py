@@ -162,7 +162,7 @@ class PersistBatchReader(DataSourceReader):
         # The driver does not heartbeat: Spark tells a batch reader nothing when its tasks
         # finish. The tasks heartbeat the lease while they run (BatchLease), and once they are
         # done it runs out after leaseSeconds (default reader_lease_s).
-        reader = ReadHandle(shard.machine, shard.schema, lease_s=self._opts.lease_seconds)
+        reader = ReadHandle(shard.machine, lease_s=self._opts.lease_seconds)
         lease_ms = int((self._opts.lease_seconds or shard.machine.config.reader_lease_s) * 1000)
         if self._opts.read_changes:
             return self._change_partitions(shard.machine, client.blob.uri, reader, lease_ms)

@@ -178,7 +178,7 @@ class PersistClient:
                     )
                 ) from None
             state = self._create(machine, user_schema, retention_ms or 0)
-        shard = Shard(self, machine, decode_schema(state.schema))
+        shard = Shard(self, machine)
         if user_schema is not None and not user_schema.equals(shard.schema):
             raise SchemaMismatch(schema_mismatch_message(name, shard.schema, user_schema))
         if retention_ms is not None and state.retention_ms != retention_ms:
@@ -197,7 +197,7 @@ class PersistClient:
             machine.fetch_latest()
         except ShardNotFound:
             self._create(machine, user_schema, retention)
-            return Shard(self, machine, user_schema)
+            return Shard(self, machine)
         raise ShardExists(
             f"shard {name!r} already exists in consensus {self.consensus.uri}: open it with "
             "open_shard, or choose another name"
@@ -243,10 +243,15 @@ class PersistClient:
 class Shard:
     """A handle to one shard: its schema, frontiers, and factories for writers and readers."""
 
-    def __init__(self, client: PersistClient, machine: Machine, schema: pa.Schema) -> None:
+    def __init__(self, client: PersistClient, machine: Machine) -> None:
         self.client = client
         self.machine = machine
-        self.schema = schema
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The shard's row columns as this process last saw them (a merge-schema write adds
+        columns; :meth:`state` reads the newest)."""
+        return decode_schema(self.machine.state().schema)
 
     @property
     def name(self) -> str:
@@ -271,12 +276,12 @@ class Shard:
     def writer(self, writer_id: str | None = None) -> WriteHandle:
         """A writer. Commits given ``token=`` are idempotent under ``writer_id`` across handles
         and restarts; commits without one are not (see :class:`WriteHandle`)."""
-        return WriteHandle(self.machine, self.schema, writer_id)
+        return WriteHandle(self.machine, writer_id)
 
     @traced("Shard.reader", "name")
     def reader(self, reader_id: str | None = None) -> ReadHandle:
         """A leased reader for snapshots, listens and subscribes (heartbeated in the background)."""
-        return ReadHandle(self.machine, self.schema, self.client.maintenance, reader_id)
+        return ReadHandle(self.machine, self.client.maintenance, reader_id)
 
     @traced("Shard.critical_reader", "name")
     def critical_reader(self, reader_id: str, opaque: int = 0) -> CriticalReader:

@@ -17,6 +17,7 @@ from dataclasses import replace as dc_replace
 from typing import Generic, TypeVar
 
 from .diff import DiffBuilder, StateDiff
+from .parts import decode_schema, encode_schema, evolve_schema
 from .state import (
     EMPTY_STATE,
     Batch,
@@ -102,6 +103,7 @@ def compare_and_append(
     token: int,
     now_ms: int,
     replace: bool = False,
+    schema: bytes | None = None,
 ) -> Outcome[AppendResult]:
     """Append one batch ``[expected_upper, new_upper)`` made of ``parts``, exactly once.
 
@@ -112,6 +114,12 @@ def compare_and_append(
     read sees the old rows before it and only new ones from it on, never
     both), or at ``new_upper - 1`` when there are none: one atomic step from
     the old contents to exactly ``parts``. See :func:`_retraction`.
+
+    ``schema`` (a merge-schema write: the schema its parts were staged with)
+    adds the columns the shard lacks to the shard's schema in the same diff as
+    the data, so no state ever holds the new schema without the write or the
+    write without it. It is merged with the schema in *this* state, so a
+    concurrent writer's additions stay; SchemaMismatch when the two conflict.
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
@@ -125,6 +133,14 @@ def compare_and_append(
         retractions = len(retract)
         parts = retract + parts
     b = DiffBuilder(state)
+    if schema is not None and schema != state.schema:
+        evolved = encode_schema(
+            evolve_schema(
+                decode_schema(state.schema), decode_schema(schema), state.shard_id, "merge_schema"
+            )
+        )
+        if evolved != state.schema:
+            b.set("schema", evolved)
     last = state.trace[-1] if state.trace else None
     if not parts and last is not None and not last.parts and last.since == state.since:
         # Empty appends only advance the upper: extend the previous empty batch so

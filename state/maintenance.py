@@ -178,7 +178,9 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     ]
     schema = decode_schema(state.schema)
     try:
-        tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows))
+        # Parts written before a column was added get it as nulls: the merge has the
+        # current schema.
+        tables = list(iter_parts(machine.blob, leased, machine.config.read_batch_rows, schema))
     except PartNotFound:
         # Compaction reads without a SeqNo lease: if another compaction replaced these
         # batches and GC collected their parts meanwhile, this merge has lost its race.

@@ -72,20 +72,27 @@ def encode_schema(schema: pa.Schema) -> bytes:
     return bytes(schema.serialize().to_pybytes())
 
 
+@functools.lru_cache(maxsize=64)
 def decode_schema(data: bytes) -> pa.Schema:
-    """Read a schema that :func:`encode_schema` wrote."""
+    """Read a schema that :func:`encode_schema` wrote (cached: handles follow state's schema)."""
     try:
         return pa.ipc.read_schema(pa.py_buffer(data))
     except (pa.ArrowInvalid, OSError) as e:
         raise CorruptData(f"the shard's schema in state cannot be decoded: {e}") from e
 
 
-def schema_mismatch_message(shard: str, expected: pa.Schema, actual: pa.Schema) -> str:
-    """Say which columns differ between two schemas, so the user knows what to change."""
+def schema_mismatch_message(
+    shard: str, expected: pa.Schema, actual: pa.Schema, add_hint: str = ""
+) -> str:
+    """Say which columns differ between two schemas, so the user knows what to change.
+
+    ``add_hint`` says how the caller could add columns the shard lacks instead.
+    """
     exp = {f.name: f.type for f in expected}
     act = {f.name: f.type for f in actual}
     problems = [f"missing column {n!r} ({t})" for n, t in exp.items() if n not in act]
-    problems += [f"unexpected column {n!r} ({t})" for n, t in act.items() if n not in exp]
+    extra = [f"unexpected column {n!r} ({t})" for n, t in act.items() if n not in exp]
+    problems += extra
     problems += [
         f"column {n!r} is {act[n]}, the shard has {t}"
         for n, t in exp.items()
@@ -103,19 +110,90 @@ def schema_mismatch_message(shard: str, expected: pa.Schema, actual: pa.Schema) 
     ]
     if not problems and expected.names != actual.names:
         problems.append(f"column order {actual.names} differs from the shard's {expected.names}")
+    evolve = f" (to add columns to the shard, {add_hint})" if add_hint and extra else ""
     return (
         f"schema does not match shard {shard!r}: {'; '.join(problems)}. "
-        "Write with the shard's schema or use a new shard name"
+        f"Write with the shard's schema{evolve} or use a new shard name"
     )
 
 
+def evolve_schema(current: pa.Schema, incoming: pa.Schema, shard: str, fix: str) -> pa.Schema:
+    """The shard schema once a write with ``incoming``'s row columns evolves ``current``.
+
+    Only additions are possible, because parts are immutable: a column added
+    later is null in every part written before it, so it must be nullable, and
+    a column's type never changes (old parts keep theirs). New columns go
+    after the existing ones in ``incoming``'s order; columns of ``current``
+    that ``incoming`` lacks stay. ``fix`` names the way the caller asked for
+    the merge (its option or argument), for messages. Raises SchemaMismatch
+    naming the column, both types and the fix.
+    """
+    known = {f.name: f for f in current}
+    taken = {n.lower(): n for n in (*current.names, *RESERVED)}
+    problems: list[str] = []
+    added: list[pa.Field] = []
+    for f in incoming:
+        old = known.get(f.name)
+        if old is not None:
+            if old.type != f.type:
+                problems.append(
+                    f"column {f.name!r} is {f.type} in the write but {old.type} in the shard: a "
+                    f"column's type cannot change (parts already written keep {old.type}); cast "
+                    f"it back to {old.type}, or write to a new shard"
+                )
+            continue
+        if f.name.lower() in taken:
+            problems.append(
+                f"new column {f.name!r} collides with {taken[f.name.lower()]!r} (names differ "
+                "only in case, which Spark reads as one column, or it is reserved): rename it"
+            )
+        elif not f.nullable:
+            problems.append(
+                f"new column {f.name!r} ({f.type}) is non-nullable, but the rows written before "
+                "it have no value there (they read as null): make it nullable"
+            )
+        else:
+            taken[f.name.lower()] = f.name
+            added.append(f)
+    if problems:
+        raise SchemaMismatch(
+            f"cannot evolve the schema of shard {shard!r} with {fix}: {'; '.join(problems)}. "
+            "Nothing was written"
+        )
+    evolved = current
+    for f in added:
+        evolved = evolved.append(f)
+    return evolved
+
+
+def conform_columns(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with exactly ``schema``'s columns, in its order: the read side of evolution.
+
+    A part written before a column was added lacks it and reads null there;
+    columns it has keep their own type (a caller casting to ``schema`` after
+    does that). Free when the part already has the schema's columns in order.
+    """
+    if table.schema.names == schema.names:
+        return table
+    n = table.num_rows
+    have = set(table.column_names)
+    fields = [table.schema.field(f.name) if f.name in have else f for f in schema]
+    arrays = [table.column(f.name) if f.name in have else pa.nulls(n, f.type) for f in schema]
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
 def conform_updates(
-    updates: pa.Table | pa.RecordBatch, schema: pa.Schema, shard: str
+    updates: pa.Table | pa.RecordBatch,
+    schema: pa.Schema,
+    shard: str,
+    *,
+    fill_missing: bool = False,
 ) -> tuple[pa.Table, bool]:
     """Check updates against the shard's schema and add missing ``_diff`` (+1).
 
     Returns the table in part layout (``_time`` zero-filled when absent) and
-    whether the input carried its own ``_time`` column.
+    whether the input carried its own ``_time`` column. With ``fill_missing``
+    (a merge-schema write) nullable shard columns the updates lack are null.
     """
     if isinstance(updates, pa.RecordBatch):
         updates = pa.Table.from_batches([updates])
@@ -126,18 +204,23 @@ def conform_updates(
     names = updates.column_names
     has_time = TIME in names
     row_fields = [f for f in updates.schema if f.name not in RESERVED]
-    if [(f.name, f.type) for f in row_fields] != [(f.name, f.type) for f in schema]:
-        if {f.name for f in row_fields} == set(schema.names) and all(
-            updates.schema.field(f.name).type == f.type for f in schema
-        ):
-            updates = updates.select([*schema.names, *[n for n in RESERVED if n in names]])
-        else:
-            row_schema = pa.schema(row_fields)
-            raise SchemaMismatch(schema_mismatch_message(shard, schema, row_schema))
     n = updates.num_rows
+    if [(f.name, f.type) for f in row_fields] != [(f.name, f.type) for f in schema]:
+        given = {f.name: f.type for f in row_fields}
+        missing = [f for f in schema if f.name not in given]
+        if not (
+            set(given) <= set(schema.names)
+            and all(given[f.name] == f.type for f in schema if f.name in given)
+            and (not missing or (fill_missing and all(f.nullable for f in missing)))
+        ):
+            row_schema = pa.schema(row_fields)
+            raise SchemaMismatch(
+                schema_mismatch_message(shard, schema, row_schema, "write with merge_schema=True")
+            )
     time = _checked_column(updates, TIME, TIME_TYPE, 0)
     diff = _checked_column(updates, DIFF, DIFF_TYPE, 1)
-    columns = [updates.column(name) for name in schema.names]
+    present = set(names)
+    columns = [updates.column(f.name) if f.name in present else pa.nulls(n, f.type) for f in schema]
     for f, col in zip(schema, columns, strict=True):
         if not f.nullable and col.null_count:
             raise InvalidUpdates(

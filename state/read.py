@@ -34,8 +34,10 @@ from .errors import InvalidFrontier, LeaseExpired
 from .machine import Machine
 from .parts import (
     LeasedPart,
+    conform_columns,
     consolidate,
     data_schema,
+    decode_schema,
     fetch_part_bytes,
     iter_part_batches,
     release_memory,
@@ -126,18 +128,24 @@ def snapshot_parts(state: ShardState, as_of: Time, blob_uri: str) -> tuple[Lease
 
 
 def iter_parts(
-    blob: Blob, parts: Sequence[LeasedPart], batch_rows: int = 65536
+    blob: Blob,
+    parts: Sequence[LeasedPart],
+    batch_rows: int = 65536,
+    schema: pa.Schema | None = None,
 ) -> Iterator[pa.Table]:
     """Yield the shaped updates of ``parts`` in slices, fetching the next part meanwhile.
 
     Reads every part format (``PartRef.fmt``): Arrow parts batch by batch as
-    stored, Parquet parts ``batch_rows`` rows at a time.
+    stored, Parquet parts ``batch_rows`` rows at a time. With ``schema`` (the
+    shard's row columns at the read) every slice has exactly its columns: a
+    part written before a column was added reads null there.
 
     Holds the bytes of at most two parts plus one decoded slice: about
     ``3 * part_target_bytes`` whatever the number of parts.
     """
     if not parts:
         return
+    target = None if schema is None else data_schema(schema)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist-fetch") as pool:
         fut = pool.submit(fetch_part_bytes, blob, parts[0].part, parts[0].shard_id)
         for i, leased in enumerate(parts):
@@ -146,7 +154,8 @@ def iter_parts(
                 nxt = parts[i + 1]
                 fut = pool.submit(fetch_part_bytes, blob, nxt.part, nxt.shard_id)
             for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
-                yield shape_updates(rb, leased)
+                table = shape_updates(rb, leased)
+                yield table if target is None else conform_columns(table, target)
             del data
             release_memory()
 
@@ -167,13 +176,11 @@ class ReadHandle:
     def __init__(
         self,
         machine: Machine,
-        schema: pa.Schema,
         maintenance: Maintenance | None = None,
         reader_id: str | None = None,
         lease_s: float | None = None,
     ) -> None:
         self._machine = machine
-        self.schema = schema
         self.reader_id = reader_id or f"r-{uuid.uuid4().hex}"
         self._leases: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
@@ -196,6 +203,15 @@ class ReadHandle:
     def shard_id(self) -> str:
         """The shard this handle reads."""
         return self._machine.shard_id
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The shard's row columns as this process last saw them: what reads conform parts to.
+
+        Columns are only ever added (see ``merge_schema``), so the newest schema
+        covers every part a snapshot or listen of an older state hands out.
+        """
+        return decode_schema(self._machine.state().schema)
 
     @property
     def since(self) -> Time:
@@ -338,7 +354,7 @@ class ReadHandle:
         snap = self.snapshot(as_of)
         try:
             yield from iter_parts(
-                self._machine.blob, snap.parts, self._machine.config.read_batch_rows
+                self._machine.blob, snap.parts, self._machine.config.read_batch_rows, self.schema
             )
         finally:
             self.release(snap.seqno)
@@ -347,11 +363,12 @@ class ReadHandle:
     def snapshot_table(self, as_of: Time | None = None) -> pa.Table:
         """The shard at ``as_of`` as one consolidated table (row columns, ``_time``, ``_diff``)."""
         snap = self.snapshot(as_of)
+        schema = self.schema
         try:
-            table = self.fetch(snap.parts)
+            table = self.fetch(snap.parts, schema)
         finally:
             self.release(snap.seqno)
-        return consolidate(table, self.schema.names)
+        return consolidate(table, schema.names)
 
     @traced("ReadHandle.listen")
     def listen(self, as_of: Time) -> Listen:
@@ -380,10 +397,15 @@ class ReadHandle:
         yield from listen
 
     @traced("ReadHandle.fetch")
-    def fetch(self, parts: Sequence[LeasedPart]) -> pa.Table:
-        """Fetch leased parts (from a snapshot or listen event) into one table, unconsolidated."""
-        tables = list(iter_parts(self._machine.blob, parts))
-        return pa.concat_tables(tables) if tables else data_schema(self.schema).empty_table()
+    def fetch(self, parts: Sequence[LeasedPart], schema: pa.Schema | None = None) -> pa.Table:
+        """Fetch leased parts (from a snapshot or listen event) into one table, unconsolidated.
+
+        Its columns are ``schema``'s (default :attr:`schema`, the newest this
+        process knows), then ``_time`` and ``_diff``; see :func:`iter_parts`.
+        """
+        schema = self.schema if schema is None else schema
+        tables = list(iter_parts(self._machine.blob, parts, schema=schema))
+        return pa.concat_tables(tables) if tables else data_schema(schema).empty_table()
 
 
 def _check_as_of(state: ShardState, as_of: Time) -> None:

@@ -43,10 +43,14 @@ from .parts import (
     MAX_TIME,
     PARQUET,
     PART_FORMATS,
+    RESERVED,
     ArrowPartEncoder,
     conform_updates,
+    decode_schema,
     encode_inline,
     encode_parquet,
+    encode_schema,
+    evolve_schema,
     new_part_key,
     part_ref,
     release_memory,
@@ -352,9 +356,8 @@ class WriteHandle:
     write never reuses it for different data.
     """
 
-    def __init__(self, machine: Machine, schema: pa.Schema, writer_id: str | None) -> None:
+    def __init__(self, machine: Machine, writer_id: str | None) -> None:
         self._machine = machine
-        self.schema = schema
         self.writer_id = writer_id or f"w-{uuid.uuid4().hex}"
         self._auto_id = f"{self.writer_id}.auto-{uuid.uuid4().hex[:16]}"
         self._next_token = 1
@@ -366,6 +369,25 @@ class WriteHandle:
         return self._machine.shard_id
 
     @property
+    def schema(self) -> pa.Schema:
+        """The shard's schema as this process last saw it (a merge-schema write may add to it)."""
+        return decode_schema(self._machine.state().schema)
+
+    def _write_schema(self, updates: pa.Table | pa.RecordBatch, merge_schema: bool) -> pa.Schema:
+        """The schema to stage ``updates`` with: the shard's, plus their new columns if merging.
+
+        Incompatible changes raise here, before anything is staged.
+        """
+        if not merge_schema:
+            return self.schema
+        if not isinstance(updates, pa.Table | pa.RecordBatch):
+            raise InvalidUpdates(
+                f"updates must be a pyarrow.Table or RecordBatch, got {type(updates).__name__}"
+            )
+        rows = pa.schema([f for f in updates.schema if f.name not in RESERVED])
+        return evolve_schema(self.schema, rows, self.shard_id, "merge_schema=True")
+
+    @property
     def upper(self) -> Time:
         """The shard's upper as this process last saw it (may be stale; a commit says the truth)."""
         return self._machine.state().upper
@@ -375,9 +397,9 @@ class WriteHandle:
         """The shard's upper, read from Consensus now."""
         return self._machine.fetch_latest().upper
 
-    def _stage(self, table: pa.Table, has_time: bool) -> StagedBatch:
+    def _stage(self, table: pa.Table, has_time: bool, schema: pa.Schema) -> StagedBatch:
         """Stage conformed updates in one batch; delete what was uploaded if that fails."""
-        builder = self.builder()
+        builder = self.builder(schema)
         try:
             builder.add_conformed(table, has_time)
             return builder.finish()
@@ -385,9 +407,11 @@ class WriteHandle:
             builder.abort()
             raise
 
-    def builder(self) -> BatchBuilder:
+    def builder(self, schema: pa.Schema | None = None) -> BatchBuilder:
         """A builder to stage parts of this shard (possibly from another thread).
 
+        ``schema``: the columns to stage (default the shard's); commit parts
+        staged with added columns with ``compare_and_append_batches(schema=...)``.
         Tiny writes ride inline in state only while the inline data there
         stays within ``inline_total_max_bytes`` (which bounds rollups too).
         """
@@ -395,7 +419,7 @@ class WriteHandle:
         return BatchBuilder(
             self._machine.blob,
             self.shard_id,
-            self.schema,
+            self.schema if schema is None else schema,
             cfg,
             inline_budget=cfg.inline_total_max_bytes - self._machine.state().inline_bytes,
         )
@@ -408,6 +432,7 @@ class WriteHandle:
         new_upper: Time,
         *,
         token: int | None = None,
+        merge_schema: bool = False,
     ) -> AppendResult:
         """Append ``updates`` iff the upper is ``expected_upper``; advance it to ``new_upper``.
 
@@ -415,9 +440,13 @@ class WriteHandle:
         without a ``_time`` column every update gets ``expected_upper``.
         ``_diff`` defaults to +1. Returns Committed, UpperMismatch (with the
         actual upper; nothing written) or AlreadyCommitted (a retry).
+        ``merge_schema`` (Delta's mergeSchema): columns the shard lacks are
+        added to its schema by the same commit (nullable ones only; older
+        rows read null there), and shard columns the updates lack are null.
         """
         _check_uppers(expected_upper, new_upper)
-        table, has_time = conform_updates(updates, self.schema, self.shard_id)
+        schema = self._write_schema(updates, merge_schema)
+        table, has_time = conform_updates(updates, schema, self.shard_id, fill_missing=merge_schema)
         if has_time and table.num_rows:
             tmin, tmax = time_bounds(table)
             if tmin < expected_upper or tmax >= new_upper:
@@ -426,10 +455,15 @@ class WriteHandle:
                     f"batch [{expected_upper}, {new_upper}): give every update a _time in "
                     "that range"
                 )
-        staged = self._stage(table, has_time)
+        staged = self._stage(table, has_time, schema)
         ts_rewrite = None if staged.has_time else expected_upper
         return self.compare_and_append_batches(
-            [staged], expected_upper, new_upper, token=token, ts_rewrite=ts_rewrite
+            [staged],
+            expected_upper,
+            new_upper,
+            token=token,
+            ts_rewrite=ts_rewrite,
+            schema=schema if merge_schema else None,
         )
 
     def compare_and_append_batches(
@@ -442,6 +476,7 @@ class WriteHandle:
         ts_rewrite: Time | None = None,
         delete_on_mismatch: bool = True,
         replace: bool = False,
+        schema: pa.Schema | None = None,
     ) -> AppendResult:
         """Commit staged batches as one batch ``[expected_upper, new_upper)`` in one state change.
 
@@ -451,11 +486,21 @@ class WriteHandle:
         ``delete_on_mismatch`` is False (a caller that will retry the same
         staged batches at a new upper). With ``replace`` the commit
         atomically retracts the shard's current contents too, so afterwards
-        it holds exactly these batches.
+        it holds exactly these batches. ``schema``, the schema the batches
+        were staged with, adds the columns the shard lacks to its schema in
+        the same state change (see :func:`~pyspark_persist.state.commands.compare_and_append`).
         """
         writer, tok = self._identity(token)
         return self._append_batches(
-            batches, expected_upper, new_upper, writer, tok, ts_rewrite, delete_on_mismatch, replace
+            batches,
+            expected_upper,
+            new_upper,
+            writer,
+            tok,
+            ts_rewrite,
+            delete_on_mismatch,
+            replace,
+            None if schema is None else encode_schema(schema),
         )
 
     def _identity(self, token: int | None) -> tuple[str, int]:
@@ -480,6 +525,7 @@ class WriteHandle:
         ts_rewrite: Time | None,
         delete_on_mismatch: bool,
         replace: bool,
+        schema: bytes | None,
     ) -> AppendResult:
         """compare_and_append_batches as ``writer`` with ``token``."""
         _check_uppers(expected_upper, new_upper)
@@ -517,6 +563,7 @@ class WriteHandle:
                 token=token,
                 now_ms=self._machine.clock_ms(),
                 replace=replace,
+                schema=schema,
             )
             if isinstance(outcome, commands.Apply) and not checked:
                 # Only a commit that will reference the parts checks them: a retry
@@ -534,7 +581,11 @@ class WriteHandle:
 
     @traced("WriteHandle.append")
     def append(
-        self, updates: pa.Table | pa.RecordBatch, *, token: int | None = None
+        self,
+        updates: pa.Table | pa.RecordBatch,
+        *,
+        token: int | None = None,
+        merge_schema: bool = False,
     ) -> Committed | AlreadyCommitted:
         """Append updates at one new time (the later of the upper and the wall clock, ms).
 
@@ -543,19 +594,24 @@ class WriteHandle:
         the same staged parts and the same token (the commit assigns their
         time). Pass ``token`` to make a resend of this write idempotent (see
         the class doc); without it the write always lands once per call.
+        ``merge_schema``: as for :meth:`compare_and_append`.
         """
-        table, has_time = conform_updates(updates, self.schema, self.shard_id)
+        schema = self._write_schema(updates, merge_schema)
+        table, has_time = conform_updates(updates, schema, self.shard_id, fill_missing=merge_schema)
         if has_time:
             raise InvalidUpdates(
                 "append() assigns the time itself: drop the _time column, or use "
                 "compare_and_append() to choose times"
             )
-        staged = self._stage(table, has_time)
+        staged = self._stage(table, has_time, schema)
         writer, tok = self._identity(token)
+        evolves = encode_schema(schema) if merge_schema else None
         upper = self.upper
         while True:
             t = max(upper, self._machine.clock_ms())
-            result = self._append_batches([staged], upper, t + 1, writer, tok, t, False, False)
+            result = self._append_batches(
+                [staged], upper, t + 1, writer, tok, t, False, False, evolves
+            )
             if isinstance(result, Committed | AlreadyCommitted):
                 return result
             upper = result.current

@@ -623,20 +623,21 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
 
     for _attempt in range(_SHOW_ATTEMPTS):
         state = shard.state()
+        schema = shard.schema  # of that state: parts older than a column read null there
         at = _check_as_of(state, as_of)
         parts = snapshot_parts(state, at, shard.client.blob.uri)
         progress = Progress(f"reading {shard.name}", len(parts))
         tables: list[pa.Table] = []
         try:
             for part in parts:
-                tables.extend(iter_parts(shard.client.blob, [part]))
+                tables.extend(iter_parts(shard.client.blob, [part], schema=schema))
                 progress.advance()
         except PartNotFound:
             continue
         finally:
             progress.close()
-        table = pa.concat_tables(tables) if tables else data_schema(shard.schema).empty_table()
-        return at, consolidate(table, shard.schema.names)
+        table = pa.concat_tables(tables) if tables else data_schema(schema).empty_table()
+        return at, consolidate(table, schema.names)
     raise CliError(
         f"shard {shard.name!r} kept changing under the read (its parts were compacted and "
         f"deleted {_SHOW_ATTEMPTS} times): try again, or with a later --as-of"
