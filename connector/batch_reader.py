@@ -65,7 +65,7 @@ from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import LeaseExpired
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import LeasedPart, consolidate
+from pyspark_persist.state.parts import LeasedPart, conform_columns, consolidate
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.state.times import check_readable
@@ -233,7 +233,7 @@ class PersistBatchReader(DataSourceReader):
         parts = []
         for table in iter_parts(blob_for(partition.blob_uri), partition.leased_parts()):
             keeper.beat()
-            parts.append(table)
+            parts.append(conform_columns(table, target).cast(target))
         if parts:
             table = consolidate(pa.concat_tables(parts), row_columns)
             yield from table.select(target.names).cast(target).to_batches()

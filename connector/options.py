@@ -61,6 +61,7 @@ TXN_VERSION = "txnversion"
 LEASE_SECONDS = "leaseseconds"
 PART_SIZE = "partsizebytes"
 RETENTION = "retention"
+MERGE_SCHEMA = "mergeschema"
 CHECKPOINT = "checkpointlocation"
 FILTER_PUSHDOWN = "filterpushdown"
 QUERY_NAME = "queryname"
@@ -123,6 +124,7 @@ OPTIONS: tuple[OptionName, ...] = (
     OptionName("txnVersion", TXN_VERSION, _BATCH_WRITE),  # Delta's name too
     OptionName("partSizeBytes", PART_SIZE, _WRITES),
     OptionName("retention", RETENTION, _WRITES),
+    OptionName("mergeSchema", MERGE_SCHEMA, _WRITES),  # Delta's name too
     OptionName("checkpointLocation", CHECKPOINT, _STREAM_WRITE),  # Spark's, for streaming
     OptionName("queryName", QUERY_NAME, _STREAM_WRITE),  # Spark's, from .queryName(name)
 )
@@ -171,6 +173,12 @@ PEER_NAMES: tuple[PeerName, ...] = (
     PeerName("ignoreDeletes", "Delta", "persist streams retractions as rows with _diff -1"),
     PeerName("skipChangeCommits", "Delta", "filter _diff > 0 to keep only insertions"),
     PeerName("replaceWhere", "Delta", 'mode("overwrite") replaces the whole shard'),
+    PeerName(
+        "overwriteSchema",
+        "Delta",
+        "a shard's columns are only ever added (mergeSchema=true); for other columns write "
+        "to a new shard",
+    ),
     PeerName("maxFileAge", "Spark's file source", "use startingAsOf (a time)"),
     PeerName("latestFirst", "Spark's file source", "persist reads in time order"),
 )
@@ -228,6 +236,8 @@ class PersistOptions:
     lease_seconds: int | None = None
     retention_ms: int | None = None
     """The shard's retention period to set (on creation or after); None leaves it as it is."""
+    merge_schema: bool = False
+    """Add the DataFrame's columns the shard lacks to its schema, in the write's own commit."""
     said: Mapping[str, str] = field(default_factory=dict)
     """The option name the user gave each setting by (an alias, or persist's own name)."""
 
@@ -325,6 +335,7 @@ class PersistOptions:
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
             lease_seconds=_int(opts, said, LEASE_SECONDS, minimum=1),
             retention_ms=_retention(opts, said),
+            merge_schema=_bool(opts, said, MERGE_SCHEMA, default=False),
             said={k: v for k, v in said.items() if k in opts},
         )
 

@@ -12,8 +12,8 @@ import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import LongType, StructField, StructType
 
-from pyspark_persist.state.errors import InvalidUsage
-from pyspark_persist.state.parts import DIFF, TIME
+from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
+from pyspark_persist.state.parts import DIFF, TIME, evolve_schema
 
 
 def read_schema(shard_schema: pa.Schema) -> StructType:
@@ -53,3 +53,30 @@ def write_schema(schema: StructType) -> tuple[pa.Schema, bool]:
         raise InvalidUsage("persist sink: the DataFrame has no columns besides _diff")
     arrow = to_arrow_schema(rows, timezone="UTC")
     return pa.schema([f.with_nullable(True) for f in arrow]), has_diff
+
+
+def sink_schema(shard_schema: pa.Schema, frame: pa.Schema, shard: str, merge: bool) -> pa.Schema:
+    """The schema a sink stages with: the shard's, plus the DataFrame's new columns if ``merge``.
+
+    Delta's rules: a new column needs ``mergeSchema`` (and may only be added,
+    nullable, never retyped); a shard column the DataFrame lacks is written as
+    null (so it must be nullable). Checked on the driver before any task runs,
+    so a refused write stages nothing.
+    """
+    evolved = evolve_schema(shard_schema, frame, shard, "persist sink")
+    new = [f for f in frame if f.name not in shard_schema.names]
+    if new and not merge:
+        listed = ", ".join(f"{f.name!r} ({f.type})" for f in new)
+        raise SchemaMismatch(
+            f"persist sink: the DataFrame has column(s) {listed} that shard {shard!r} lacks: "
+            'to add them to the shard\'s schema, write with .option("mergeSchema", "true") (rows '
+            "written before read null there), or drop them. Nothing was written"
+        )
+    required = [f.name for f in shard_schema if f.name not in frame.names and not f.nullable]
+    if required:
+        raise SchemaMismatch(
+            f"persist sink: the DataFrame lacks column(s) {required} of shard {shard!r}, which "
+            "are non-nullable (a missing nullable column is written as null): add them. "
+            "Nothing was written"
+        )
+    return evolved

@@ -59,10 +59,10 @@ from pyspark_persist.options import (
 from pyspark_persist.source import blob_for
 from pyspark_persist.state import retry
 from pyspark_persist.state.changes import Behind, behind, change_parts
-from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage
+from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage, SchemaChanged
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import LeasedPart
+from pyspark_persist.state.parts import LeasedPart, conform_columns, decode_schema
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
 from pyspark_persist.state.times import check_readable, describe
@@ -223,12 +223,16 @@ class HoldUpdater:
 class LeaseHolder:
     """The driver-side half of the source: plans micro-batches and holds their leases."""
 
-    def __init__(self, opts: PersistOptions) -> None:
+    def __init__(self, opts: PersistOptions, schema: StructType | None = None) -> None:
+        """``schema``: the query's (default: the shard's columns now)."""
         from pyspark_persist.source import client_for
 
         self._opts = opts
         self._client = client_for(opts)
         self._shard = self._client.open_shard(opts.shard, create=False)
+        names = self._shard.schema.names if schema is None else schema.fieldNames()
+        self._columns = frozenset(names)
+        self._checked_schema: bytes | None = None
         self._reader: ReadHandle = self._shard.reader()
         self.holds = HoldUpdater(self._reader)
         self._lock = threading.Lock()
@@ -315,9 +319,32 @@ class LeaseHolder:
                 figures["latest_offset_ms"] = round((time.perf_counter() - began) * 1000, 3)
         return end
 
+    def check_schema(self, state: ShardState) -> None:
+        """Stop the query once a write added columns it does not have (SchemaChanged).
+
+        Spark fixes a query's columns when it starts (Delta stops the same
+        way), and columns are only ever added, so any column of the shard
+        missing from the query's means its schema changed. Checked before
+        every micro-batch is cut or planned, so nothing past it is emitted.
+        """
+        if state.schema == self._checked_schema:
+            return
+        added = [f for f in decode_schema(state.schema) if f.name not in self._columns]
+        if added:
+            listed = ", ".join(f"{f.name!r} ({f.type})" for f in added)
+            raise SchemaChanged(
+                f"persist source: shard {state.shard_id!r} gained column(s) {listed} (a write "
+                "with mergeSchema) after this query started, and Spark fixes a query's columns "
+                "when it starts. Restart the query with the same checkpointLocation: it goes on "
+                "exactly where it stopped, with the new columns (rows written before read null "
+                "there)"
+            )
+        self._checked_schema = state.schema
+
     def _latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         self.holds.check()
         state = self.current_state()
+        self.check_schema(state)
         target = state.upper
         if self.available_now_upper is not None:
             target = min(target, self.available_now_upper)
@@ -377,6 +404,7 @@ class LeaseHolder:
         state = self.machine.state()
         if state.seqno < end.seqno or state.upper < end.upper:
             state = self.machine.fetch_latest()
+        self.check_schema(state)
         if start.phase == "snapshot":
             as_of = (
                 end.as_of if end.phase == "snapshot" and end.as_of is not None else end.upper - 1
@@ -538,7 +566,7 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def holder(self) -> LeaseHolder:
         """The driver-side lease holder, created on first use (only the driver uses it)."""
         if self._holder is None:
-            self._holder = LeaseHolder(self._opts)
+            self._holder = LeaseHolder(self._opts, self._schema)
         return self._holder
 
     def _offset(self, d: dict[str, Any]) -> Offset:
@@ -601,4 +629,5 @@ def read_partition(
     parts = partition.leased_parts()
     for table in iter_parts(blob_for(partition.blob_uri), parts):
         if table.num_rows:
-            yield from table.select(target.names).cast(target).to_batches()
+            # A part written before a column was added reads null there.
+            yield from conform_columns(table, target).cast(target).to_batches()

@@ -36,13 +36,20 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
-from pyspark_persist.schema import write_schema
+from pyspark_persist.schema import sink_schema, write_schema
 from pyspark_persist.source import blob_for, client_for
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.errors import InvalidUsage, ShardNotFound
 from pyspark_persist.state.maintenance import unreferenced
-from pyspark_persist.state.parts import ARROW, DIFF, DIFF_TYPE, decode_schema, encode_schema
+from pyspark_persist.state.parts import (
+    ARROW,
+    DIFF,
+    DIFF_TYPE,
+    conform_columns,
+    decode_schema,
+    encode_schema,
+)
 from pyspark_persist.state.write import BatchBuilder, StagedBatch, delete_staged
 
 log = logging.getLogger(__name__)
@@ -144,13 +151,29 @@ def _read_remote(uri: str) -> bytes:
     return data.split(b"\n", 1)[0]
 
 
-def _prepare_shard(opts: PersistOptions, schema: StructType) -> tuple[bytes, bool]:
-    """Create the shard on first write, or check the DataFrame matches it; before any task."""
+@dataclass(frozen=True)
+class SinkSchema:
+    """What the driver decided about a write's columns, before any task runs."""
+
+    staged: bytes
+    """The schema tasks stage with (encoded): the shard's, plus new columns under mergeSchema."""
+    has_diff: bool
+    """The DataFrame carries its own ``_diff`` column."""
+    evolves: bool
+    """The write adds columns: its commit carries ``staged`` to add them in the same step."""
+
+
+def _prepare_shard(opts: PersistOptions, schema: StructType) -> SinkSchema:
+    """Create the shard on first write, or check the DataFrame against it; before any task."""
     arrow, has_diff = write_schema(schema)
-    shard = client_for(opts).open_shard(
-        opts.shard, arrow, create=True, retention_ms=opts.retention_ms
-    )
-    return encode_schema(shard.schema), has_diff
+    client = client_for(opts)
+    try:
+        shard = client.open_shard(opts.shard, create=False, retention_ms=opts.retention_ms)
+    except ShardNotFound:
+        shard = client.open_shard(opts.shard, arrow, create=True, retention_ms=opts.retention_ms)
+    current = shard.schema
+    staged = sink_schema(current, arrow, shard.name, opts.merge_schema)
+    return SinkSchema(encode_schema(staged), has_diff, not staged.equals(current))
 
 
 def stage_rows(
@@ -161,6 +184,7 @@ def stage_rows(
     started = time.perf_counter()
     schema = decode_schema(shard_schema)
     target = schema.append(pa.field(DIFF, DIFF_TYPE)) if has_diff else schema
+    # Shard columns the DataFrame lacks are written null (Delta's rule; checked nullable).
     config = PersistConfig(
         part_target_bytes=opts.part_size_bytes or PersistConfig.part_target_bytes
     )
@@ -170,7 +194,7 @@ def stage_rows(
     try:
         for rb in batches:
             if rb.num_rows:
-                builder.add(pa.Table.from_batches([rb]).select(target.names).cast(target))
+                builder.add(conform_columns(pa.Table.from_batches([rb]), target).cast(target))
         staged = builder.finish()
     except BaseException:
         builder.abort()
@@ -196,8 +220,12 @@ def commit_staged(
     token: int,
     messages: list[WriterCommitMessage | None],
     replace: bool,
+    schema: bytes | None = None,
 ) -> SinkBatchMetrics:
-    """Driver side: make every task's parts visible in one compare_and_append, exactly once."""
+    """Driver side: make every task's parts visible in one compare_and_append, exactly once.
+
+    ``schema`` (a mergeSchema write adding columns) joins the same commit.
+    """
     started = time.perf_counter()
     msgs = _staged(messages)
     staged = [StagedBatch.from_json(json.loads(m.staged)) for m in msgs]
@@ -214,6 +242,7 @@ def commit_staged(
             ts_rewrite=t,
             delete_on_mismatch=False,
             replace=replace,
+            schema=None if schema is None else decode_schema(schema),
         )
         if not isinstance(result, UpperMismatch):
             break
@@ -274,16 +303,19 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, opts: PersistOptions, schema: StructType, overwrite: bool) -> None:
         self._opts = opts
         self._writer_id = query_writer_id(opts)
-        self._schema_bytes, self._has_diff = _prepare_shard(opts, schema)
+        self._schema = _prepare_shard(opts, schema)
         self._replace = overwrite
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PersistCommitMessage:
         """Stage this task's rows (executor)."""
-        return stage_rows(self._opts, self._schema_bytes, self._has_diff, iterator)
+        return stage_rows(self._opts, self._schema.staged, self._schema.has_diff, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Commit the micro-batch exactly once (driver)."""
-        metrics = commit_staged(self._opts, self._writer_id, batchId, messages, self._replace)
+        evolves = self._schema.staged if self._schema.evolves else None
+        metrics = commit_staged(
+            self._opts, self._writer_id, batchId, messages, self._replace, evolves
+        )
         _report(metrics, self._opts.checkpoint_location)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
@@ -311,16 +343,19 @@ class PersistBatchWriter(DataSourceArrowWriter):
             # One identity per write, so its token 1 is only ever this write's own retry.
             prefix = opts.writer_id or "spark-batch"
             self._writer_id, self._token = f"{prefix}.unversioned-{os.urandom(12).hex()}", 1
-        self._schema_bytes, self._has_diff = _prepare_shard(opts, schema)
+        self._schema = _prepare_shard(opts, schema)
         self._replace = overwrite
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PersistCommitMessage:
         """Stage this task's rows (executor)."""
-        return stage_rows(self._opts, self._schema_bytes, self._has_diff, iterator)
+        return stage_rows(self._opts, self._schema.staged, self._schema.has_diff, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Commit the whole job in one compare_and_append (driver); skip a done version."""
-        metrics = commit_staged(self._opts, self._writer_id, self._token, messages, self._replace)
+        evolves = self._schema.staged if self._schema.evolves else None
+        metrics = commit_staged(
+            self._opts, self._writer_id, self._token, messages, self._replace, evolves
+        )
         if metrics.outcome != "committed":
             # Its staged parts stay for GC's orphan sweep: if this very commit landed and was
             # compacted since, a reader may still hold them.

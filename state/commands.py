@@ -136,7 +136,10 @@ def compare_and_append(
     if schema is not None and schema != state.schema:
         evolved = encode_schema(
             evolve_schema(
-                decode_schema(state.schema), decode_schema(schema), state.shard_id, "merge_schema"
+                decode_schema(state.schema),
+                decode_schema(schema),
+                state.shard_id,
+                "merge-schema commit (racing another writer's schema change)",
             )
         )
         if evolved != state.schema:

@@ -82,6 +82,15 @@ class SchemaMismatch(InvalidUsage):
     """The schema given does not match the schema the shard was created with."""
 
 
+class SchemaChanged(SchemaMismatch):
+    """A write added columns to the shard after a streaming query fixed its schema at start.
+
+    Spark fixes a query's columns when it starts, so the query stops rather
+    than drop the new columns. Nothing was read past the change: restart the
+    query from the same checkpoint and it goes on exactly once with them.
+    """
+
+
 class InvalidFrontier(InvalidUsage):
     """A time or frontier is outside what the shard allows (before since, at or past upper)."""
 

@@ -117,16 +117,15 @@ def schema_mismatch_message(
     )
 
 
-def evolve_schema(current: pa.Schema, incoming: pa.Schema, shard: str, fix: str) -> pa.Schema:
+def evolve_schema(current: pa.Schema, incoming: pa.Schema, shard: str, who: str) -> pa.Schema:
     """The shard schema once a write with ``incoming``'s row columns evolves ``current``.
 
     Only additions are possible, because parts are immutable: a column added
     later is null in every part written before it, so it must be nullable, and
     a column's type never changes (old parts keep theirs). New columns go
     after the existing ones in ``incoming``'s order; columns of ``current``
-    that ``incoming`` lacks stay. ``fix`` names the way the caller asked for
-    the merge (its option or argument), for messages. Raises SchemaMismatch
-    naming the column, both types and the fix.
+    that ``incoming`` lacks stay. ``who`` names the write in messages. Raises
+    SchemaMismatch naming the column, both types and the fix.
     """
     known = {f.name: f for f in current}
     taken = {n.lower(): n for n in (*current.names, *RESERVED)}
@@ -157,7 +156,7 @@ def evolve_schema(current: pa.Schema, incoming: pa.Schema, shard: str, fix: str)
             added.append(f)
     if problems:
         raise SchemaMismatch(
-            f"cannot evolve the schema of shard {shard!r} with {fix}: {'; '.join(problems)}. "
+            f"{who}: the columns do not fit shard {shard!r}: {'; '.join(problems)}. "
             "Nothing was written"
         )
     evolved = current

@@ -385,7 +385,7 @@ class WriteHandle:
                 f"updates must be a pyarrow.Table or RecordBatch, got {type(updates).__name__}"
             )
         rows = pa.schema([f for f in updates.schema if f.name not in RESERVED])
-        return evolve_schema(self.schema, rows, self.shard_id, "merge_schema=True")
+        return evolve_schema(self.schema, rows, self.shard_id, "write with merge_schema=True")
 
     @property
     def upper(self) -> Time:
