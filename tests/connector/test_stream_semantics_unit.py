@@ -17,7 +17,7 @@ from source_helpers import SCHEMA, Row, rows
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, Shard
-from pyspark_persist.state.errors import InvalidFrontier, InvalidUsage
+from pyspark_persist.state.errors import InvalidFrontier, InvalidUsage, SchemaChanged
 from pyspark_persist.stream_reader import DataLoss, PersistStreamReader
 
 DAY = 86_400_000
@@ -478,3 +478,45 @@ def test_a_restart_mid_snapshot_replays_the_same_cut_exactly_once() -> None:
     with pytest.raises(DataLoss, match=r"snapshot's times \[1, 2\] were compacted"):
         late.partitions(end, second_end)
     late.stop()
+
+
+# --- item 6: schema evolution -------------------------------------------------------------------
+
+
+def test_a_schema_change_stops_the_stream_and_a_restart_reads_on_once_with_nulls() -> None:
+    """Both the next cut and the planning of a cut made before the change refuse with
+    SchemaChanged; a reader restarted from the committed offset with the new schema gets every
+    later row once, older ones null in the new column."""
+    env = Env()
+    env.writer.append(rows(range(0, 5)))
+    reader = env.reader()
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, reader.getDefaultReadLimit())
+    first = [
+        r for p in reader.partitions(start, end) for b in reader.read(p) for r in b.to_pylist()
+    ]
+    assert sorted(r["id"] for r in first) == [0, 1, 2, 3, 4]
+    reader.commit(end)
+    env.writer.append(rows(range(5, 8)))
+    planned = reader.latestOffset(end, reader.getDefaultReadLimit())
+    env.writer.append(
+        rows(range(8, 10)).append_column("score", pa.array([0.5, 1.5])), merge_schema=True
+    )
+    for call in (
+        lambda: reader.latestOffset(end, reader.getDefaultReadLimit()),
+        lambda: reader.partitions(end, planned),
+    ):
+        with pytest.raises(SchemaChanged, match=r"gained column\(s\) 'score' \(double\).*Restart"):
+            call()
+    reader.stop()
+    env.shard.state()
+    restarted = PersistStreamReader(env.options("stream_read"), read_schema(env.shard.schema))
+    after = [r for b in drain(restarted, end) for r in b]
+    restarted.stop()
+    assert sorted((r["id"], r["score"], r["_diff"]) for r in after) == [
+        (5, None, 1),
+        (6, None, 1),
+        (7, None, 1),
+        (8, 0.5, 1),
+        (9, 1.5, 1),
+    ]
