@@ -405,7 +405,7 @@ def gc_walk(start: ShardState, rows: list[VersionedData], seqno_since: int) -> G
     for row in rows:
         diff = decode(row.data, where=f"consensus row {shard!r} SeqNo {row.seqno}")
         if row.seqno <= seqno_since:
-            for key in diff.maps.get("batches", ({}, frozenset()))[1]:
+            for key in diff.deleted_batches:
                 old = walk.batches.get(key)
                 if old is not None:
                     candidates.update(p.key for p in old.parts if p.key is not None)

@@ -31,7 +31,7 @@ import pyarrow as pa
 from . import commands
 from .blob import Blob
 from .errors import InvalidFrontier, LeaseExpired
-from .machine import Machine
+from .machine import Count, Machine
 from .parts import (
     LeasedPart,
     consolidate,
@@ -433,7 +433,7 @@ class Listen:
                 # nothing woke us in time: read Consensus (the fallback poll).
                 self._stale_gen = gen
                 state = self._machine.fetch_latest()
-                self._machine.metrics.incr("listen_polls")
+                self._machine.metrics.incr(Count.LISTEN_POLLS)
                 self._poll_at = time.monotonic() + self._next_poll_delay()
                 continue
             if deadline is not None and now >= deadline:
