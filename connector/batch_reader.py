@@ -57,7 +57,7 @@ from pyspark_persist.options import (
 )
 from pyspark_persist.source import blob_for, client_for
 from pyspark_persist.state import retry
-from pyspark_persist.state.changes import change_parts, check_change_range
+from pyspark_persist.state.changes import check_change_range
 from pyspark_persist.state.client import PersistClient
 from pyspark_persist.state.commands import heartbeat_leased_reader
 from pyspark_persist.state.config import PersistConfig
@@ -66,10 +66,11 @@ from pyspark_persist.state.errors import LeaseExpired
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart, conform_columns, consolidate
+from pyspark_persist.state.planning import ReadLimits, plan_read
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.state.times import check_readable
-from pyspark_persist.stream_reader import PersistInputPartition, read_partition, split_parts
+from pyspark_persist.stream_reader import PersistInputPartition, read_partition
 
 log = logging.getLogger(__name__)
 
@@ -172,16 +173,20 @@ class PersistBatchReader(DataSourceReader):
         state = shard.machine.fetch_latest()
         name = f"persist: {self._opts.spelled(AS_OF)}"
         check_readable(as_of, state.since, state.upper, name, self._opts.shard)
-        snap = reader.snapshot(as_of)
-        parts = [p for p in snap.parts if not _skip(p.part, self._filters)]
-        skipped = len(snap.parts) - len(parts)
-        if skipped:
-            log.debug("persist: pushed filters skipped %s of %s parts", skipped, len(snap.parts))
-        lease = BatchLease(reader.reader_id, snap.seqno, lease_ms)
-        if any((p.part.effective_dmin or -1) <= 0 for p in parts):
-            return [ConsolidatingPartition(client.blob.uri, parts, lease)] if parts else []
-        splits = split_parts(parts, self._opts.split_size_bytes, self._opts.min_partitions)
-        return [BatchPartition(client.blob.uri, s, lease) for s in splits]
+        filters = self._filters
+        plan = reader.snapshot_plan(as_of, self._split_limits(), lambda p: _skip(p, filters))
+        if filters:
+            log.debug("persist: %s parts left after the pushed filters", len(plan.parts))
+        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms)
+        if plan.may_retract:
+            return [ConsolidatingPartition(client.blob.uri, plan.parts, lease)]
+        return [BatchPartition(client.blob.uri, s, lease) for s in plan.splits]
+
+    def _split_limits(self) -> ReadLimits:
+        """Split by splitSizeBytes, over at least minPartitions tasks."""
+        return ReadLimits(
+            split_bytes=self._opts.split_size_bytes, min_splits=self._opts.min_partitions
+        )
 
     def _change_partitions(
         self, machine: Machine, blob_uri: str, reader: ReadHandle, lease_ms: int
@@ -208,10 +213,9 @@ class PersistBatchReader(DataSourceReader):
         if upper is None:
             upper = state.upper
         check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
-        parts = change_parts(state, lower, upper, blob_uri)
-        splits = split_parts(parts, opts.split_size_bytes, opts.min_partitions)
-        lease = BatchLease(reader.reader_id, state.seqno, lease_ms)
-        return [BatchPartition(blob_uri, s, lease) for s in splits]
+        plan = plan_read(state, blob_uri, lower=lower, upper=upper, limits=self._split_limits())
+        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms)
+        return [BatchPartition(blob_uri, s, lease) for s in plan.splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Stream one task's parts as Arrow batches (executor)."""

@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from dataclasses import replace as dc_replace
 from typing import Any
 
 import pyarrow as pa
@@ -58,16 +57,20 @@ from pyspark_persist.options import (
 )
 from pyspark_persist.source import blob_for
 from pyspark_persist.state import retry
-from pyspark_persist.state.changes import Behind, behind, change_parts
+from pyspark_persist.state.changes import Behind, behind
 from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage, SchemaChanged
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart, conform_columns, decode_schema
+from pyspark_persist.state.planning import NO_LIMITS, ReadLimits, plan_read
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
 from pyspark_persist.state.times import check_readable, describe
 
 log = logging.getLogger(__name__)
+
+Splits = tuple[tuple[LeasedPart, ...], ...]
+"""The parts of one micro-batch, one tuple per read task."""
 
 
 @dataclass(frozen=True)
@@ -120,28 +123,6 @@ class PersistInputPartition(InputPartition):
     def leased_parts(self) -> list[LeasedPart]:
         """The parts to read, decoded."""
         return [LeasedPart.from_json(json.loads(p)) for p in self.parts]
-
-
-def split_parts(
-    parts: Sequence[LeasedPart], split_bytes: int, min_splits: int
-) -> list[list[LeasedPart]]:
-    """Spread parts over tasks by size: about ``split_bytes`` each, at least ``min_splits``.
-
-    Largest parts first, each to the lightest task (the classic greedy
-    balance); never more tasks than parts.
-    """
-    if not parts:
-        return []
-    total = sum(p.part.size_bytes for p in parts)
-    n = max(min_splits, -(-total // max(split_bytes, 1)))
-    n = min(n, len(parts))
-    bins: list[list[LeasedPart]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for p in sorted(parts, key=lambda p: p.part.size_bytes, reverse=True):
-        i = loads.index(min(loads))
-        bins[i].append(p)
-        loads[i] += p.part.size_bytes
-    return bins
 
 
 class HoldUpdater:
@@ -358,14 +339,24 @@ class LeaseHolder:
                 return start  # the time asked for is not complete yet
             # The snapshot at as_of is the updates at times [0, as_of], each read as at as_of:
             # a cap cuts that time range where the trace's batches end.
-            cut = _limited_upper(state, start.upper, as_of + 1, limit)
+            cut = self._cut(state, start.upper, as_of + 1, limit, as_of)
             if cut > as_of:
                 return Offset(state.shard_id, state.seqno, as_of + 1, "listen")
             return Offset(state.shard_id, state.seqno, cut, "snapshot", as_of)
         if target <= start.upper:
             return start
-        end = _limited_upper(state, start.upper, target, limit)
+        end = self._cut(state, start.upper, target, limit)
         return Offset(state.shard_id, state.seqno, end, "listen")
+
+    def _cut(
+        self, state: ShardState, lower: int, target: int, limit: ReadLimit, as_of: int | None = None
+    ) -> int:
+        """Where the next micro-batch from ``lower`` ends: ``target``, or before under ``limit``."""
+        limits = _read_limits(limit)
+        if not limits.caps:
+            return target
+        uri = self._client.blob.uri
+        return plan_read(state, uri, as_of=as_of, lower=lower, upper=target, limits=limits).upper
 
     def report_latest(self) -> dict[str, Any]:
         """The newest offset with ``behind``: what is left to read once the micro-batch being
@@ -415,9 +406,9 @@ class LeaseHolder:
                     state.since,
                 )
             if start.upper == 0 and end.phase == "listen":
-                parts = self._snapshot_parts(as_of)  # the whole snapshot in one micro-batch
+                splits = self._snapshot_splits(as_of)  # the whole snapshot in one micro-batch
             else:
-                parts = self._snapshot_cut(state, start.upper, min(end.upper, as_of + 1), as_of)
+                splits = self._snapshot_cut(state, start.upper, min(end.upper, as_of + 1), as_of)
         else:
             lower = start.upper
             if lower > 0 and lower - 1 < state.since:  # from 0 nothing was merged away
@@ -425,19 +416,22 @@ class LeaseHolder:
                     f"times [{lower}, {state.since}] were compacted before this query read them",
                     state.since + 1,
                 )
-            parts = self._listen_parts(state, lower, end.upper)
-        splits = split_parts(parts, self._opts.split_size_bytes, self._opts.min_partitions)
+            splits = self._listen_splits(state, lower, end.upper)
         blob_uri = self._client.blob.uri
         return [PersistInputPartition(blob_uri, s) for s in splits]
 
-    def _snapshot_parts(self, as_of: int) -> list[LeasedPart]:
-        snap = self._reader.snapshot(as_of)
-        self._remember(as_of + 1, snap.seqno)
-        return list(snap.parts)
+    def _split_limits(self) -> ReadLimits:
+        """Split by splitSizeBytes, over at least minPartitions tasks."""
+        return ReadLimits(
+            split_bytes=self._opts.split_size_bytes, min_splits=self._opts.min_partitions
+        )
 
-    def _snapshot_cut(
-        self, state: ShardState, lower: int, upper: int, as_of: int
-    ) -> list[LeasedPart]:
+    def _snapshot_splits(self, as_of: int) -> Splits:
+        plan = self._reader.snapshot_plan(as_of, self._split_limits())
+        self._remember(as_of + 1, plan.seqno)
+        return plan.splits
+
+    def _snapshot_cut(self, state: ShardState, lower: int, upper: int, as_of: int) -> Splits:
         """One cut of a capped snapshot: the updates at times [lower, upper), read as at as_of.
 
         The cuts of one snapshot tile [0, as_of], so together they are the snapshot
@@ -452,13 +446,16 @@ class LeaseHolder:
                 "before this query read them",
                 state.since + 1,
             )
-        parts = self._listen_parts(state, lower, max(lower, upper))
-        return [dc_replace(p, as_of=as_of) for p in parts]
+        return self._listen_splits(state, lower, max(lower, upper), as_of)
 
-    def _listen_parts(self, state: ShardState, lower: int, upper: int) -> list[LeasedPart]:
+    def _listen_splits(
+        self, state: ShardState, lower: int, upper: int, as_of: int | None = None
+    ) -> Splits:
         state = self._reader.lease_state(state)  # in effect before any part is handed out
         self._remember(upper, state.seqno)
-        return list(change_parts(state, lower, upper, self._client.blob.uri))
+        uri = self._client.blob.uri
+        limits = self._split_limits()
+        return plan_read(state, uri, as_of=as_of, lower=lower, upper=upper, limits=limits).splits
 
     def _remember(self, end_upper: int, seqno: int) -> None:
         with self._lock:
@@ -514,39 +511,16 @@ class LeaseHolder:
         return resume
 
 
-def _limited_upper(state: ShardState, lower: int, target: int, limit: ReadLimit) -> int:
-    """The upper of the longest run of whole batches from ``lower`` that fits ``limit``.
-
-    A micro-batch always takes at least one batch with data, so a single
-    batch larger than the limit still makes progress.
-    """
-    if isinstance(limit, ReadAllAvailable):
-        return target
-    used = 0
-    end = lower
-    for b in state.trace:
-        if b.upper <= lower:
-            continue
-        if b.upper > target:
-            # A batch compacted across the target (the AvailableNow upper): with nothing
-            # taken yet, take it up to the target (listen parts are cut by time), or the
-            # query would make no progress and never end.
-            if used == 0:
-                end = target
-            break
-        if isinstance(limit, ReadMaxBytes):
-            cost, cap = b.size_bytes, limit.max_bytes
-        elif isinstance(limit, ReadMaxFiles):
-            cost, cap = len(b.parts), limit.max_files
-        elif isinstance(limit, ReadMaxRows):
-            cost, cap = b.rows, limit.max_rows
-        else:
-            return target
-        if used > 0 and used + cost > cap:
-            break
-        used += cost
-        end = b.upper
-    return end
+def _read_limits(limit: ReadLimit) -> ReadLimits:
+    """Spark's read limit as persist's caps (whole batches, see
+    :func:`~pyspark_persist.state.planning.limited_upper`)."""
+    if isinstance(limit, ReadMaxBytes):
+        return ReadLimits(max_bytes=limit.max_bytes)
+    if isinstance(limit, ReadMaxFiles):
+        return ReadLimits(max_parts=limit.max_files)
+    if isinstance(limit, ReadMaxRows):
+        return ReadLimits(max_rows=limit.max_rows)
+    return NO_LIMITS  # ReadAllAvailable, or a limit persist does not know: everything
 
 
 class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):

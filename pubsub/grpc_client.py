@@ -24,6 +24,7 @@ import grpc
 
 from . import persist_pubsub_pb2 as pb
 from . import persist_pubsub_pb2_grpc as pb_grpc
+from .metrics import PubSubCount
 from .server import KEEPALIVE_MIN_PING_INTERVAL_MS, MAX_MESSAGE_BYTES
 from .subscriptions import BasePublisher
 
@@ -104,7 +105,7 @@ class GrpcPublisher(BasePublisher):
         )
         with self._cv:
             if len(self._diffs) >= self._queue_max:
-                self._metrics.incr("push_dropped")
+                self._metrics.incr(PubSubCount.PUSH_DROPPED)
                 return
             self._diffs.append((time.monotonic(), msg))
             self._cv.notify()
@@ -163,9 +164,9 @@ class GrpcPublisher(BasePublisher):
                 else:
                     enqueued, msg = self._diffs.popleft()
                     if time.monotonic() - enqueued > self._max_push_age_s:
-                        self._metrics.incr("push_dropped")
+                        self._metrics.incr(PubSubCount.PUSH_DROPPED)
                         continue
-                    self._metrics.incr("sent")
+                    self._metrics.incr(PubSubCount.SENT)
             yield msg
 
     def _run(self) -> None:
@@ -214,7 +215,7 @@ class GrpcPublisher(BasePublisher):
                     if not acked:
                         acked = True
                         self._connected = True
-                        self._metrics.incr("connects")
+                        self._metrics.incr(PubSubCount.CONNECTS)
                         log.debug("pubsub: connected to %s", address)
                     self._set_healthy(msg.subscribe.shard, True)
         except grpc.RpcError as e:
@@ -229,7 +230,7 @@ class GrpcPublisher(BasePublisher):
                 self._cv.notify_all()
             self._call = None
             if self._connected:
-                self._metrics.incr("disconnects")
+                self._metrics.incr(PubSubCount.DISCONNECTS)
             self._connected = False
             self._set_healthy(None, False)
             channel.close()

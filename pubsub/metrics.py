@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import collections
+import enum
 import threading
 from dataclasses import dataclass, field
 
 _LATENCY_SAMPLES = 1024
+
+
+class PubSubCount(enum.Enum):
+    """A counter of :class:`PubSubMetrics`: what :meth:`PubSubMetrics.incr` takes, so a
+    misspelled counter is a type error (the value is the field it adds to)."""
+
+    PUSHED = "pushed"
+    PUSH_DROPPED = "push_dropped"
+    SENT = "sent"
+    RECEIVED = "received"
+    APPLIED_CLEANLY = "applied_cleanly"
+    UNCONFIRMED = "unconfirmed"
+    DUPLICATES = "duplicates"
+    NOT_SUBSCRIBED = "not_subscribed"
+    NOTIFIED = "notified"
+    CONNECTS = "connects"
+    DISCONNECTS = "disconnects"
 
 
 @dataclass
@@ -45,10 +63,10 @@ class PubSubMetrics:
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def incr(self, name: str, by: int = 1) -> None:
-        """Add ``by`` to the counter ``name`` (thread-safe)."""
+    def incr(self, count: PubSubCount, by: int = 1) -> None:
+        """Add ``by`` to the counter ``count`` (thread-safe)."""
         with self._lock:
-            setattr(self, name, getattr(self, name) + by)
+            setattr(self, count.value, getattr(self, count.value) + by)
 
     def record_latency(self, ms: float) -> None:
         """Record one push-to-apply latency (writer's wall clock to this process applying it)."""

@@ -26,6 +26,7 @@ import uuid
 import psycopg
 from psycopg import sql
 
+from .metrics import PubSubCount
 from .subscriptions import BasePublisher
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class PostgresPublisher(BasePublisher):
         payload = f"{head} {body}" if len(head) + 1 + len(body) <= MAX_PAYLOAD else head
         with self._cv:
             if len(self._outbox) >= self._queue_max:
-                self._metrics.incr("push_dropped")
+                self._metrics.incr(PubSubCount.PUSH_DROPPED)
                 return
             self._outbox.append((time.monotonic(), payload))
             self._cv.notify()
@@ -148,10 +149,10 @@ class PostgresPublisher(BasePublisher):
                                 return
                             enqueued, payload = self._outbox[0]
                         if time.monotonic() - enqueued > self._max_push_age_s:
-                            self._metrics.incr("push_dropped")
+                            self._metrics.incr(PubSubCount.PUSH_DROPPED)
                         else:
                             conn.execute("SELECT pg_notify(%s, %s)", (self._channel, payload))
-                            self._metrics.incr("sent")
+                            self._metrics.incr(PubSubCount.SENT)
                         with self._cv:
                             self._outbox.popleft()
             except Exception as e:  # noqa: BLE001 - the database is away: retry, writes go on
@@ -167,7 +168,7 @@ class PostgresPublisher(BasePublisher):
                     self._listen_conn = conn
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
                     self._listening = True
-                    self._metrics.incr("connects")
+                    self._metrics.incr(PubSubCount.CONNECTS)
                     self._set_healthy(None, True)
                     backoff = self._reconnect_min_s
                     while not self._closed:
@@ -181,7 +182,7 @@ class PostgresPublisher(BasePublisher):
             finally:
                 self._listen_conn = None
                 if self._listening:
-                    self._metrics.incr("disconnects")
+                    self._metrics.incr(PubSubCount.DISCONNECTS)
                 self._listening = False
                 self._set_healthy(None, False)
             if not self._closed:

@@ -24,7 +24,7 @@ import time
 from ..state.cache import SharedState
 from ..state.consensus import VersionedData
 from ..state.registry import consensus_kind
-from .metrics import PubSubMetrics
+from .metrics import PubSubCount, PubSubMetrics
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class BasePublisher:
                 topic = make_topic(self._default_location, shard_id)
             if topic is None or self._closed:
                 return
-            self._metrics.incr("pushed")
+            self._metrics.incr(PubSubCount.PUSHED)
             self._on_push(topic, diff.seqno, diff.data, now_us())
         except Exception as e:  # noqa: BLE001 - PubSub must never fail a write
             log.debug("pubsub: push of %s failed: %s", shard_id, e)
@@ -165,26 +165,26 @@ class BasePublisher:
         with self._lock:
             subs = list(self._subs.get(topic, ()))
         if not subs:
-            self._metrics.incr("not_subscribed")
+            self._metrics.incr(PubSubCount.NOT_SUBSCRIBED)
             return
-        self._metrics.incr("received")
+        self._metrics.incr(PubSubCount.RECEIVED)
         row = VersionedData(seqno, data)
         for shared in subs:
             cached = shared.state
             if cached is None:
                 continue  # not loaded yet: the first read goes to Consensus anyway
             if seqno <= cached.seqno:
-                self._metrics.incr("duplicates")
+                self._metrics.incr(PubSubCount.DUPLICATES)
             elif shared.apply_pushed(row):
-                self._metrics.incr("applied_cleanly")
+                self._metrics.incr(PubSubCount.APPLIED_CLEANLY)
                 if pushed_at_us:
                     self._metrics.record_latency((now_us() - pushed_at_us) / 1000.0)
             else:
-                self._metrics.incr("unconfirmed")
+                self._metrics.incr(PubSubCount.UNCONFIRMED)
 
     def _notify_seqno(self, topic: str, seqno: int) -> None:
         """A diff at ``seqno`` exists but did not come with the message: confirm it the same way."""
-        self._metrics.incr("notified")
+        self._metrics.incr(PubSubCount.NOTIFIED)
         self._deliver(topic, seqno, b"")
 
     def _set_healthy(self, topic: str | None, healthy: bool) -> None:

@@ -40,9 +40,19 @@ visible atomically at ``[expected_upper, new_upper)``. Tiny writes skip Blob
 and ride inline in the state diff, which is how a small write costs one
 Consensus round trip.
 
-Reading: :meth:`~.read.ReadHandle.snapshot` names the parts that make up the
-collection at ``as_of``, each a :class:`~.parts.LeasedPart` any process can
-fetch; :meth:`~.read.ReadHandle.listen` yields every later batch.
+Reading is planning, then fetching. Which parts answer a read is one pure
+function of one state, :func:`~.planning.plan_read`: the collection at
+``as_of`` (:meth:`~.read.ReadHandle.snapshot`), the updates in ``[lower,
+upper)`` (each event of :meth:`~.read.ReadHandle.listen`, a change feed, a
+streaming micro-batch), optionally capped and split over tasks. A reader
+*leases* the state it planned from, so GC keeps those parts until it is
+done; each part is a :class:`~.parts.LeasedPart` any process can fetch.
+
+Maintenance is data too. After each commit the pure
+:func:`~.maintenance.requests_after_commit` says whether compaction (merge
+adjacent batches, advancing times below ``since``) or GC (delete what no
+reader can need, truncate Consensus below a rollup) is due; a background
+runner executes the requests, off the writer's path.
 
 Invariants: ``upper`` and ``since`` only advance; batches tile ``[0, upper)``;
 a part key is written once and never changed; a committed update is never

@@ -1,4 +1,4 @@
-"""Planning a read of the changes in ``[lower, upper)``: pure functions over one ShardState.
+"""The change feed's rules: which ranges ``[lower, upper)`` a shard answers, and what is left.
 
 A snapshot consolidates: it answers "what is the collection at t". The
 change feed answers "what changed between t0 and t1": every update with a
@@ -12,8 +12,9 @@ are kept apart only from ``since`` on: a range is exact when its ``lower`` is
 0 (everything, with the compacted updates at ``since``) or past ``since``,
 and it must end past ``since`` and at most at ``upper`` (later times are not
 written yet). :func:`check_change_range` is that rule, with an error naming
-both frontiers; :func:`change_parts` the plan. :func:`behind` is the other
-side: how much a reader at some time has still to read.
+both frontiers; the plan itself is :func:`~pyspark_persist.state.planning.plan_read`
+over ``[lower, upper)``. :func:`behind` is the other side: how much a reader
+at some time has still to read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InvalidFrontier
-from .parts import LeasedPart
 from .state import ShardState, Time
 from .times import describe
 
@@ -48,19 +48,6 @@ def check_change_range(state: ShardState, lower: Time, upper: Time, what: str) -
             f"{describe(state.since)}: {frontiers}. Start at 0 (the compacted past, at the "
             f"since) or after {state.since}, and end after {state.since}"
         )
-
-
-def change_parts(
-    state: ShardState, lower: Time, upper: Time, blob_uri: str
-) -> tuple[LeasedPart, ...]:
-    """The parts holding updates in ``[lower, upper)``, each cut to that range when read."""
-    return tuple(
-        LeasedPart(state.shard_id, blob_uri, p, lower, upper, None, state.seqno)
-        for b in state.trace
-        if b.upper > lower and b.lower < upper
-        for p in b.parts
-        if p.effective_max_time >= lower and p.effective_min_time < upper
-    )
 
 
 @dataclass(frozen=True)

@@ -82,15 +82,8 @@ AppendResult = Committed | UpperMismatch | AlreadyCommitted
 
 def create_shard(shard_id: str, schema: bytes, now_ms: int, retention_ms: int = 0) -> StateDiff:
     """The diff that brings a new shard from nothing to SeqNo 1."""
-    b = (
-        DiffBuilder(EMPTY_STATE)
-        .set("shard_id", shard_id)
-        .set("schema", schema)
-        .set("created_ms", now_ms)
-    )
-    if retention_ms:
-        b.set("retention_ms", retention_ms)
-    return b.build()
+    b = DiffBuilder(EMPTY_STATE).set(shard_id=shard_id, schema=schema, created_ms=now_ms)
+    return b.set(retention_ms=retention_ms or None).build()
 
 
 def compare_and_append(
@@ -148,13 +141,13 @@ def compare_and_append(
     if not parts and last is not None and not last.parts and last.since == state.since:
         # Empty appends only advance the upper: extend the previous empty batch so
         # an idle stream does not grow the trace by one batch per micro-batch.
-        b.delete("batches", last.key)
+        b.delete_batch(last.key)
         batch = Batch(lower=last.lower, upper=new_upper, since=last.since, parts=())
     else:
         batch = Batch(expected_upper, new_upper, state.since, parts, retractions)
-    b.put("batches", batch.key, batch)
-    b.set("upper", new_upper)
-    b.put("writers", writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms))
+    b.put_batch(batch)
+    b.set(upper=new_upper)
+    b.put_writer(writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms))
     diff = b.build()
     return Apply(diff, Committed(upper=new_upper, seqno=diff.to_seqno))
 
@@ -185,7 +178,7 @@ def add_rollup(state: ShardState, *, seqno: int, key: str) -> Outcome[bool]:
     """Record that Blob holds the full state of ``seqno`` under ``key``."""
     if seqno in state.rollups:
         return Refuse(False)
-    diff = DiffBuilder(state).put("rollups", seqno, key).build()
+    diff = DiffBuilder(state).put_rollup(seqno, key).build()
     return Apply(diff, True)
 
 
@@ -211,7 +204,7 @@ def register_leased_reader(
     reader = LeasedReaderState(
         since=state.since, seqno=state.seqno, last_heartbeat_ms=now_ms, lease_duration_ms=lease_ms
     )
-    return Apply(DiffBuilder(state).put("leased_readers", reader_id, reader).build(), reader)
+    return Apply(DiffBuilder(state).put_leased_reader(reader_id, reader).build(), reader)
 
 
 def heartbeat_leased_reader(
@@ -238,10 +231,10 @@ def heartbeat_leased_reader(
         last_heartbeat_ms=max(reader.last_heartbeat_ms, now_ms),
         lease_duration_ms=reader.lease_duration_ms,
     )
-    b = DiffBuilder(state).put("leased_readers", reader_id, updated)
+    b = DiffBuilder(state).put_leased_reader(reader_id, updated)
     leased = dict(state.leased_readers)
     leased[reader_id] = updated
-    b.set("since", _since(state, leased=leased))
+    b.set(since=_since(state, leased=leased))
     return Apply(b.build(), updated)
 
 
@@ -256,9 +249,9 @@ def expire_leased_readers(
         return Refuse(())
     b = DiffBuilder(state)
     for r in gone:
-        b.delete("leased_readers", r)
+        b.delete_leased_reader(r)
     leased = {r: s for r, s in state.leased_readers.items() if r not in gone}
-    b.set("since", _since(state, leased=leased))
+    b.set(since=_since(state, leased=leased))
     return Apply(b.build(), tuple(sorted(gone)))
 
 
@@ -278,7 +271,7 @@ def register_critical_reader(
     if existing is not None:
         return Refuse(existing)
     reader = CriticalReaderState(since=state.since, opaque=opaque)
-    return Apply(DiffBuilder(state).put("critical_readers", reader_id, reader).build(), reader)
+    return Apply(DiffBuilder(state).put_critical_reader(reader_id, reader).build(), reader)
 
 
 def compare_and_downgrade_since(
@@ -298,8 +291,8 @@ def compare_and_downgrade_since(
     updated = CriticalReaderState(since=max(reader.since, new_since), opaque=new_opaque)
     critical = dict(state.critical_readers)
     critical[reader_id] = updated
-    b = DiffBuilder(state).put("critical_readers", reader_id, updated)
-    b.set("since", _since(state, critical=critical))
+    b = DiffBuilder(state).put_critical_reader(reader_id, updated)
+    b.set(since=_since(state, critical=critical))
     if b.is_empty:
         return Refuse(CriticalSince(ok=True, current=updated))
     return Apply(b.build(), CriticalSince(ok=True, current=updated))
@@ -319,8 +312,8 @@ def apply_merge(state: ShardState, *, replaced: tuple[Batch, ...], merged: Batch
         return Refuse(False)
     b = DiffBuilder(state)
     for old in replaced:
-        b.delete("batches", old.key)
-    b.put("batches", merged.key, merged)
+        b.delete_batch(old.key)
+    b.put_batch(merged)
     return Apply(b.build(), True)
 
 
@@ -337,7 +330,7 @@ def expire_writers(state: ShardState, *, now_ms: int, idle_ms: int) -> Outcome[t
         return Refuse(())
     b = DiffBuilder(state)
     for w in gone:
-        b.delete("writers", w)
+        b.delete_writer(w)
     return Apply(b.build(), gone)
 
 
@@ -345,7 +338,7 @@ def claim_gc(state: ShardState, *, seqno_since: int) -> Outcome[bool]:
     """Record that GC up to ``seqno_since`` is under way, so other processes skip it."""
     if seqno_since <= state.last_gc_seqno:
         return Refuse(False)
-    return Apply(DiffBuilder(state).set("last_gc_seqno", seqno_since).build(), True)
+    return Apply(DiffBuilder(state).set(last_gc_seqno=seqno_since).build(), True)
 
 
 def remove_rollups(state: ShardState, *, seqnos: tuple[int, ...]) -> Outcome[tuple[int, ...]]:
@@ -355,5 +348,5 @@ def remove_rollups(state: ShardState, *, seqnos: tuple[int, ...]) -> Outcome[tup
         return Refuse(())
     b = DiffBuilder(state)
     for s in present:
-        b.delete("rollups", s)
+        b.delete_rollup(s)
     return Apply(b.build(), present)

@@ -25,7 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CorruptData, IncompatibleVersion, ShardNotFound
-from .state import MAP_CODECS, SCALARS, ShardState
+from .state import (
+    MAP_CODECS,
+    SCALARS,
+    Batch,
+    CriticalReaderState,
+    LeasedReaderState,
+    ShardState,
+    Time,
+    WriterState,
+)
 
 FORMAT_VERSION = 1
 _MAGIC = b"PSD"
@@ -42,9 +51,21 @@ class StateDiff:
     scalars: Mapping[str, Any] = field(default_factory=dict)
     maps: Mapping[str, tuple[Mapping[Any, Any], frozenset[Any]]] = field(default_factory=dict)
 
+    @property
+    def deleted_batches(self) -> frozenset[str]:
+        """The keys of the batches this diff removes (replaced by a merge, or extended)."""
+        return frozenset(self.maps.get("batches", ({}, frozenset()))[1])
+
 
 class DiffBuilder:
-    """Collects the changes a command makes to one state, then builds the diff to its next SeqNo."""
+    """Collects the changes a command makes to one state, then builds the diff to its next SeqNo.
+
+    Typed: :meth:`set` takes each scalar field as a keyword, and each map of
+    :class:`~pyspark_persist.state.state.ShardState` has its own ``put_*``
+    and ``delete_*``, so a misspelled field is a type error, not a diff no
+    reader understands. The field names as strings stay inside this module,
+    where they are the wire format.
+    """
 
     def __init__(self, state: ShardState) -> None:
         self._state = state
@@ -52,20 +73,80 @@ class DiffBuilder:
         self._puts: dict[str, dict[Any, Any]] = {}
         self._dels: dict[str, set[Any]] = {}
 
-    def set(self, name: str, value: Any) -> DiffBuilder:
-        """Set a scalar field (only when it changes, so no-op diffs stay empty)."""
-        if getattr(self._state, name) != value:
-            self._scalars[name] = value
+    def set(
+        self,
+        *,
+        shard_id: str | None = None,
+        schema: bytes | None = None,
+        since: Time | None = None,
+        upper: Time | None = None,
+        created_ms: int | None = None,
+        last_gc_seqno: int | None = None,
+        retention_ms: int | None = None,
+    ) -> DiffBuilder:
+        """Set scalar fields (``None``: leave as is); only values that change enter the diff,
+        so no-op diffs stay empty."""
+        given = {
+            "shard_id": shard_id,
+            "schema": schema,
+            "since": since,
+            "upper": upper,
+            "created_ms": created_ms,
+            "last_gc_seqno": last_gc_seqno,
+            "retention_ms": retention_ms,
+        }
+        for name, value in given.items():
+            if value is not None and getattr(self._state, name) != value:
+                self._scalars[name] = value
         return self
 
-    def put(self, map_name: str, key: Any, value: Any) -> DiffBuilder:
-        """Insert or replace one entry of a map-valued field."""
+    def put_batch(self, batch: Batch) -> DiffBuilder:
+        """Add (or replace) the batch of its interval."""
+        return self._put("batches", batch.key, batch)
+
+    def delete_batch(self, key: str) -> DiffBuilder:
+        """Remove the batch named ``key`` (its interval, :attr:`Batch.key`)."""
+        return self._delete("batches", key)
+
+    def put_writer(self, writer_id: str, writer: WriterState) -> DiffBuilder:
+        """Register or update a writer."""
+        return self._put("writers", writer_id, writer)
+
+    def delete_writer(self, writer_id: str) -> DiffBuilder:
+        """Expire a writer."""
+        return self._delete("writers", writer_id)
+
+    def put_leased_reader(self, reader_id: str, reader: LeasedReaderState) -> DiffBuilder:
+        """Register or update a leased reader."""
+        return self._put("leased_readers", reader_id, reader)
+
+    def delete_leased_reader(self, reader_id: str) -> DiffBuilder:
+        """Expire a leased reader."""
+        return self._delete("leased_readers", reader_id)
+
+    def put_critical_reader(self, reader_id: str, reader: CriticalReaderState) -> DiffBuilder:
+        """Register or update a critical reader."""
+        return self._put("critical_readers", reader_id, reader)
+
+    def delete_critical_reader(self, reader_id: str) -> DiffBuilder:
+        """Remove a critical reader (its since hold goes with it)."""
+        return self._delete("critical_readers", reader_id)
+
+    def put_rollup(self, seqno: int, key: str) -> DiffBuilder:
+        """Record the rollup of SeqNo ``seqno`` stored under Blob ``key``."""
+        return self._put("rollups", seqno, key)
+
+    def delete_rollup(self, seqno: int) -> DiffBuilder:
+        """Forget the rollup of SeqNo ``seqno``."""
+        return self._delete("rollups", seqno)
+
+    def _put(self, map_name: str, key: Any, value: Any) -> DiffBuilder:
         self._puts.setdefault(map_name, {})[key] = value
         self._dels.get(map_name, set()).discard(key)
         return self
 
-    def delete(self, map_name: str, key: Any) -> DiffBuilder:
-        """Remove one entry of a map-valued field (it must exist or have been put)."""
+    def _delete(self, map_name: str, key: Any) -> DiffBuilder:
+        """Remove one entry (it must exist or have been put)."""
         self._puts.get(map_name, {}).pop(key, None)
         if key in getattr(self._state, map_name):
             self._dels.setdefault(map_name, set()).add(key)

@@ -12,6 +12,7 @@ in-process listeners) and the diff is pushed, best effort, to PubSub.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -70,6 +71,19 @@ class NoopPublisher:
         """Nothing to unsubscribe from."""
 
 
+class Count(enum.Enum):
+    """A counter of :class:`Metrics`: what :meth:`Metrics.incr` takes, so a misspelled
+    counter is a type error (the value is the field it adds to)."""
+
+    CONSENSUS_FETCHES = "consensus_fetches"
+    CAS_ATTEMPTS = "cas_attempts"
+    CAS_MISMATCHES = "cas_mismatches"
+    CAS_RETRIES_AFTER_ERROR = "cas_retries_after_error"
+    COMMITS = "commits"
+    ROLLUPS_WRITTEN = "rollups_written"
+    LISTEN_POLLS = "listen_polls"
+
+
 @dataclass
 class Metrics:
     """Counters a user (and the tests) can read to see what a client did."""
@@ -84,10 +98,10 @@ class Metrics:
     """Consensus reads a waiting listen made because nothing woke it (the polling fallback)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def incr(self, name: str, by: int = 1) -> None:
-        """Add ``by`` to the counter ``name`` (thread-safe)."""
+    def incr(self, count: Count, by: int = 1) -> None:
+        """Add ``by`` to the counter ``count`` (thread-safe)."""
         with self._lock:
-            setattr(self, name, getattr(self, name) + by)
+            setattr(self, count.value, getattr(self, count.value) + by)
 
     def snapshot(self) -> dict[str, int]:
         """The counters as a plain dict."""
@@ -149,7 +163,7 @@ class Machine:
 
     def fetch_latest(self) -> ShardState:
         """Read the diffs this process has not seen from Consensus (a poll) and install them."""
-        self.metrics.incr("consensus_fetches")
+        self.metrics.incr(Count.CONSENSUS_FETCHES)
         with retry.deadline_in(self.config.retry_timeout_s):
             state = load_state(self.shard_id, self.consensus, self.blob, self.shared.state)
         if state is None:
@@ -163,7 +177,7 @@ class Machine:
         For when the cached state proved wrong: a compare-and-set mismatch
         reported a head that is not ahead of it, which Consensus alone never does.
         """
-        self.metrics.incr("consensus_fetches")
+        self.metrics.incr(Count.CONSENSUS_FETCHES)
         with retry.deadline_in(self.config.retry_timeout_s):
             state = load_state(self.shard_id, self.consensus, self.blob, None)
         if state is None:
@@ -228,7 +242,7 @@ class Machine:
                     return outcome.result
                 new_state = state.apply(outcome.diff)
                 row = VersionedData(new_state.seqno, encode(outcome.diff))
-                self.metrics.incr("cas_attempts")
+                self.metrics.incr(Count.CAS_ATTEMPTS)
                 try:
                     res = self.consensus.compare_and_set(self.shard_id, state.seqno, row)
                 except (Indeterminate, Determinate) as e:
@@ -240,20 +254,20 @@ class Machine:
                         raise
                     if time.monotonic() > deadline:
                         raise
-                    self.metrics.incr("cas_retries_after_error")
+                    self.metrics.incr(Count.CAS_RETRIES_AFTER_ERROR)
                     log.debug("shard %s: compare-and-set failed (%s); retrying", self.shard_id, e)
                     backoff.sleep(deadline)
                     state = self._refetch()
                     continue
                 if isinstance(res, CaSCommitted):
-                    self.metrics.incr("commits")
+                    self.metrics.incr(Count.COMMITS)
                     self.shared.update(new_state)
                     self.publisher.push(self.shard_id, row)
                     self._maybe_rollup(new_state)
                     if self.on_commit is not None:
                         self.on_commit(self, new_state)
                     return outcome.result
-                self.metrics.incr("cas_mismatches")
+                self.metrics.incr(Count.CAS_MISMATCHES)
                 mismatches += 1
                 if mismatches > 2:
                     backoff.sleep(deadline)
@@ -295,7 +309,7 @@ class Machine:
             return
         try:
             key = write_rollup(self.blob, state)
-            self.metrics.incr("rollups_written")
+            self.metrics.incr(Count.ROLLUPS_WRITTEN)
             self.run(lambda s: add_rollup(s, seqno=state.seqno, key=key))
         except Exception as e:  # noqa: BLE001 - a missed rollup is retried by the next commit
             log.warning("shard %s: rollup at SeqNo %s failed: %s", self.shard_id, state.seqno, e)

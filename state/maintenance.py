@@ -28,8 +28,14 @@ cannot make a fresh part look old). Commits refuse parts older than half
 the grace (:func:`~pyspark_persist.state.write.check_staged`), so the sweep
 never takes a part a commit is about to reference.
 
-Both run in the background after commits (``PersistConfig.maintenance``)
-and on demand (:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
+Maintenance is data. What to merge is planned by the pure
+:func:`compaction_request` (:func:`compaction_plan` for a dry run), what is
+garbage by the pure :func:`gc_walk` and :func:`truncation_point` (:func:`plan_gc`
+for a dry run). After each commit the pure :func:`requests_after_commit`
+turns the new state into :class:`CompactRequest`/:class:`GcRequest` values;
+:class:`Maintenance` queues them (``PersistConfig.maintenance``) and one
+runner, :func:`run_request`, executes them, in the background and on demand
+(:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -407,7 +414,7 @@ def gc_walk(start: ShardState, rows: list[VersionedData], seqno_since: int) -> G
     for row in rows:
         diff = decode(row.data, where=f"consensus row {shard!r} SeqNo {row.seqno}")
         if row.seqno <= seqno_since:
-            for key in diff.maps.get("batches", ({}, frozenset()))[1]:
+            for key in diff.deleted_batches:
                 old = walk.batches.get(key)
                 if old is not None:
                     candidates.update(p.key for p in old.parts if p.key is not None)
@@ -478,6 +485,72 @@ def plan_gc(machine: Machine) -> GcPlan:
     )
 
 
+@dataclass(frozen=True)
+class CompactRequest:
+    """Compaction is due: run up to ``max_rounds`` merges, each planned afresh by
+    :func:`compaction_request` from the newest state (a queued plan would be stale)."""
+
+    max_rounds: int = 1000
+
+
+@dataclass(frozen=True)
+class GcRequest:
+    """GC is due: one pass (see :func:`gc`), with the orphan sweep when ``sweep_orphans``,
+    even when another process claimed the same ``seqno_since`` when ``force``."""
+
+    sweep_orphans: bool = False
+    force: bool = False
+
+
+MaintenanceRequest = CompactRequest | GcRequest
+"""Maintenance as data: what a commit (or a user) asks for, run by :func:`run_request`."""
+
+BACKGROUND_COMPACTION_ROUNDS = 8
+"""Merges one background compaction request runs before yielding to other queued work."""
+
+
+def requests_after_commit(
+    state: ShardState, config: PersistConfig
+) -> tuple[MaintenanceRequest, ...]:
+    """The maintenance a commit that produced ``state`` calls for. Pure and cheap: it runs
+    after every commit (persist's "routine maintenance" returned from a command)."""
+    if not config.maintenance:
+        return ()
+    requests: list[MaintenanceRequest] = []
+    if compaction_request(state, config) is not None:
+        requests.append(CompactRequest(max_rounds=BACKGROUND_COMPACTION_ROUNDS))
+    if state.seqno_since - state.last_gc_seqno >= config.gc_interval:
+        requests.append(GcRequest())
+    return tuple(requests)
+
+
+def run_compaction(machine: Machine, request: CompactRequest) -> list[CompactionReport]:
+    """Run compaction until the policy asks for nothing more (or ``request.max_rounds``)."""
+    reports = []
+    for _ in range(request.max_rounds):
+        batches = compaction_request(machine.fetch_latest(), machine.config)
+        if batches is None:
+            break
+        reports.append(compact(machine, batches))
+    return reports
+
+
+def run_gc(machine: Machine, request: GcRequest) -> GcReport:
+    """Run one GC pass as ``request`` says."""
+    return gc(machine, sweep_orphans=request.sweep_orphans, force=request.force)
+
+
+def run_request(machine: Machine, request: MaintenanceRequest) -> None:
+    """The one runner of maintenance requests (the background thread's, and on demand)."""
+    if isinstance(request, CompactRequest):
+        run_compaction(machine, request)
+    else:
+        run_gc(machine, request)
+
+
+ORPHAN_SWEEP_EVERY = 16
+"""Every this many background GC passes of a shard also sweep orphans (a Blob listing)."""
+
 _STOP = object()
 """Queued to wake the background thread so it notices it should stop."""
 
@@ -525,13 +598,9 @@ class Maintenance:
         self._sweeps: dict[str, int] = {}
 
     def after_commit(self, machine: Machine, state: ShardState) -> None:
-        """Queue compaction or GC when ``state`` calls for it (cheap, pure checks)."""
-        if not self._config.maintenance:
-            return
-        if compaction_request(state, self._config) is not None:
-            self._submit("compact", machine)
-        if state.seqno_since - state.last_gc_seqno >= self._config.gc_interval:
-            self._submit("gc", machine)
+        """Queue the requests :func:`requests_after_commit` returns for ``state``."""
+        for request in requests_after_commit(state, self._config):
+            self._submit(machine, request)
 
     def backpressure(self, machine: Machine) -> None:
         """Compact in the caller's thread while the trace is past the backpressure bound.
@@ -570,17 +639,11 @@ class Maintenance:
 
     def compact_now(self, machine: Machine, max_rounds: int = 1000) -> list[CompactionReport]:
         """Run compaction until the policy asks for nothing more (or ``max_rounds``)."""
-        reports = []
-        for _ in range(max_rounds):
-            req = compaction_request(machine.fetch_latest(), self._config)
-            if req is None:
-                break
-            reports.append(compact(machine, req))
-        return reports
+        return run_compaction(machine, CompactRequest(max_rounds=max_rounds))
 
     def gc_now(self, machine: Machine, *, sweep_orphans: bool = True) -> GcReport:
         """Run a full GC pass now, including the orphan sweep."""
-        return gc(machine, sweep_orphans=sweep_orphans, force=True)
+        return run_gc(machine, GcRequest(sweep_orphans=sweep_orphans, force=True))
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Block until no maintenance is queued or running; False on timeout."""
@@ -593,13 +656,13 @@ class Maintenance:
                 self._idle.wait(remaining)
         return True
 
-    def _submit(self, kind: str, machine: Machine) -> None:
-        key = (kind, machine.shard_id)
+    def _submit(self, machine: Machine, request: MaintenanceRequest) -> None:
+        key = (type(request).__name__, machine.shard_id)
         with self._lock:
             if key in self._queued:
                 return
             self._queued.add(key)
-        self._queue.put((kind, machine))
+        self._queue.put((machine, request))
         self._ensure_thread()
 
     def _ensure_thread(self) -> None:
@@ -625,12 +688,12 @@ class Maintenance:
             item = self._queue.get()
             if item is _STOP:
                 break
-            kind, machine = item
+            machine, request = item
             with self._lock:
-                self._queued.discard((kind, machine.shard_id))
+                self._queued.discard((type(request).__name__, machine.shard_id))
                 self._busy += 1
             try:
-                self._run(kind, machine)
+                self._run(machine, request)
             finally:
                 with self._idle:
                     self._busy -= 1
@@ -641,16 +704,15 @@ class Maintenance:
         while not self._stop.wait(self._config.heartbeat_interval_s):
             self._heartbeat_all()
 
-    def _run(self, kind: str, machine: Machine) -> None:
-        work: Callable[[], object]
-        if kind == "compact":
-            work = lambda: self.compact_now(machine, max_rounds=8)  # noqa: E731
-        else:
+    def _run(self, machine: Machine, request: MaintenanceRequest) -> None:
+        kind = "compact" if isinstance(request, CompactRequest) else "gc"
+        if isinstance(request, GcRequest):
             n = self._sweeps.get(machine.shard_id, 0) + 1
             self._sweeps[machine.shard_id] = n
-            work = lambda: gc(machine, sweep_orphans=n % 16 == 0)  # noqa: E731
+            if n % ORPHAN_SWEEP_EVERY == 0:
+                request = dc_replace(request, sweep_orphans=True)
         try:
-            work()
+            run_request(machine, request)
         except RuntimeError:
             if not self._stop.is_set():
                 log.exception("shard %s: background %s failed", machine.shard_id, kind)

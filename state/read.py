@@ -21,7 +21,7 @@ import collections
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,7 +31,7 @@ import pyarrow as pa
 from . import commands
 from .blob import Blob
 from .errors import InvalidFrontier, LeaseExpired
-from .machine import Machine
+from .machine import Count, Machine
 from .parts import (
     LeasedPart,
     conform_columns,
@@ -43,6 +43,7 @@ from .parts import (
     release_memory,
     shape_updates,
 )
+from .planning import NO_LIMITS, ReadLimits, ReadPlan, plan_read
 from .state import Batch, PartRef, ShardState, Time
 from .tracing import traced
 
@@ -78,53 +79,6 @@ class ListenEvent:
     upper: Time
     seqno: int
     parts: tuple[LeasedPart, ...]
-
-
-def cancel_negations(parts: list[PartRef], as_of: Time) -> list[PartRef]:
-    """Drop each negated reference together with a plain reference to the same data.
-
-    An atomic replace retracts old contents by referencing their parts
-    negated; at an ``as_of`` that both wholly precede (all times advanced to
-    ``as_of``) the pair sums to nothing, so a snapshot need not fetch either.
-    """
-    whole = [p for p in parts if p.effective_max_time <= as_of]
-    negated = collections.Counter(p.identity for p in whole if p.negate)
-    if not negated:
-        return parts
-    plain = collections.Counter(p.identity for p in whole if not p.negate)
-    cancel = {k: min(n, plain[k]) for k, n in negated.items() if plain[k]}
-    drop_plain, drop_neg = dict(cancel), dict(cancel)
-    out = []
-    for p in parts:
-        pool = drop_neg if p.negate else drop_plain
-        if p.effective_max_time <= as_of and pool.get(p.identity, 0) > 0:
-            pool[p.identity] -= 1
-            continue
-        out.append(p)
-    return out
-
-
-def snapshot_parts(state: ShardState, as_of: Time, blob_uri: str) -> tuple[LeasedPart, ...]:
-    """The parts of ``state`` that reconstruct the shard at ``as_of`` (pure; nothing leased)."""
-    visible = [
-        p
-        for batch in state.trace
-        if batch.lower <= as_of
-        for p in batch.parts
-        if p.effective_min_time <= as_of
-    ]
-    return tuple(
-        LeasedPart(
-            shard_id=state.shard_id,
-            blob_uri=blob_uri,
-            part=p,
-            lower=0,
-            upper=as_of + 1,
-            as_of=as_of,
-            seqno=state.seqno,
-        )
-        for p in cancel_negations(visible, as_of)
-    )
 
 
 def iter_parts(
@@ -333,6 +287,18 @@ class ReadHandle:
         The snapshot's SeqNo is leased: call :meth:`release` with ``snapshot.seqno``
         once every part has been fetched (wherever that happened).
         """
+        plan = self.snapshot_plan(as_of)
+        assert plan.as_of is not None
+        return Snapshot(self.shard_id, plan.as_of, plan.seqno, plan.parts)
+
+    def snapshot_plan(
+        self,
+        as_of: Time | None = None,
+        limits: ReadLimits = NO_LIMITS,
+        skip: Callable[[PartRef], bool] | None = None,
+    ) -> ReadPlan:
+        """:meth:`snapshot` as a :func:`~pyspark_persist.state.planning.plan_read` plan: split
+        by ``limits``, without the parts ``skip`` rules out. ``plan.seqno`` is leased."""
         self._check_live()
         if as_of is None:
             as_of = self.latest_as_of()
@@ -346,8 +312,11 @@ class ReadHandle:
         except InvalidFrontier:
             self.release(state.seqno)
             raise
-        parts = snapshot_parts(state, as_of, self._machine.blob.uri)
-        return Snapshot(self.shard_id, as_of, state.seqno, parts)
+        try:
+            return plan_read(state, self._machine.blob.uri, as_of=as_of, limits=limits, skip=skip)
+        except BaseException:
+            self.release(state.seqno)  # e.g. ``skip`` failed: no plan holds the lease
+            raise
 
     def iter_snapshot(self, as_of: Time | None = None) -> Iterator[pa.Table]:
         """Stream the snapshot's updates (not consolidated across parts), part by part."""
@@ -486,7 +455,7 @@ class Listen:
                 # nothing woke us in time: read Consensus (the fallback poll).
                 self._stale_gen = gen
                 state = self._machine.fetch_latest()
-                self._machine.metrics.incr("listen_polls")
+                self._machine.metrics.incr(Count.LISTEN_POLLS)
                 self._poll_at = time.monotonic() + self._next_poll_delay()
                 continue
             if deadline is not None and now >= deadline:
@@ -524,18 +493,7 @@ class Listen:
             self._queued_upto = batch.upper
 
     def _event(self, state: ShardState, batch: Batch) -> ListenEvent:
+        """The updates from what was queued up to the end of ``batch`` (the next batch)."""
         lower = self._queued_upto
-        parts = tuple(
-            LeasedPart(
-                shard_id=state.shard_id,
-                blob_uri=self._machine.blob.uri,
-                part=p,
-                lower=lower,
-                upper=batch.upper,
-                as_of=None,
-                seqno=state.seqno,
-            )
-            for p in batch.parts
-            if p.effective_max_time >= lower
-        )
-        return ListenEvent(lower=lower, upper=batch.upper, seqno=state.seqno, parts=parts)
+        plan = plan_read(state, self._machine.blob.uri, lower=lower, upper=batch.upper)
+        return ListenEvent(lower=lower, upper=batch.upper, seqno=state.seqno, parts=plan.parts)

@@ -85,7 +85,7 @@ def set_retention(state: ShardState, *, retention_ms: int) -> Outcome[int]:
         raise InvalidUsage(f"retention must not be negative (got {retention_ms} ms)")
     if state.retention_ms == retention_ms:
         return Refuse(retention_ms)
-    return Apply(DiffBuilder(state).set("retention_ms", retention_ms).build(), retention_ms)
+    return Apply(DiffBuilder(state).set(retention_ms=retention_ms).build(), retention_ms)
 
 
 def retention_since(state: ShardState, now_ms: int) -> Time:
@@ -104,7 +104,7 @@ def advance_since(state: ShardState, *, now_ms: int) -> Outcome[Time]:
     since = retention_since(state, now_ms)
     if since == state.since:
         return Refuse(since)
-    return Apply(DiffBuilder(state).set("since", since).build(), since)
+    return Apply(DiffBuilder(state).set(since=since).build(), since)
 
 
 def expired_run(state: ShardState, fan_in: int) -> tuple[Batch, ...] | None:

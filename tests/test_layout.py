@@ -207,3 +207,80 @@ def test_cycle_check_sees_a_cycle(tmp_path: Path) -> None:
     assert found == [
         ["pyspark_persist.state.a", "pyspark_persist.state.b", "pyspark_persist.state.c"]
     ]
+
+
+LAYERS = ("state", "pubsub", "connector", "tools")
+"""Bottom to top: a module may import its own layer and the layers before it, never after."""
+
+ENTRY_POINTS = {"pyspark_persist.__main__"}
+"""``python -m pyspark_persist`` runs the CLI in tools by design: the one arrow pointing up."""
+
+
+def _layer_of(module: str) -> str | None:
+    """The layer an imported name belongs to: one of LAYERS, ``spark``, or None (outside)."""
+    if module == "pyspark" or module.startswith("pyspark."):
+        return "spark"
+    if module != "pyspark_persist" and not module.startswith("pyspark_persist."):
+        return None
+    return _layer(module)
+
+
+def layer_violations(top: Path) -> list[str]:
+    """Every import, wherever it sits (module level, in a function, under ``TYPE_CHECKING``),
+    that points up the layers, or reaches Spark from state or pubsub: ``module -> name``."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    found = []
+    for name, path in sorted(_modules(top).items()):
+        if name in ENTRY_POINTS:
+            continue
+        own = _layer(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [base]
+            else:
+                continue
+            for target in targets:
+                layer = _layer_of(target)
+                if layer is None:
+                    continue
+                spark_below = layer == "spark" and own in ("state", "pubsub")
+                if spark_below or (layer in rank and rank[layer] > rank[own]):
+                    found.append(f"{name} -> {target} (line {node.lineno})")
+    return found
+
+
+def test_every_import_points_down_the_layers() -> None:
+    """state imports none of pubsub/connector/tools/pyspark; pubsub none of connector/tools/
+    pyspark; the connector not tools: read from the source, deferred imports included."""
+    assert layer_violations(Path(__file__).resolve().parents[1]) == []
+
+
+def test_layer_check_sees_an_import_pointing_up(tmp_path: Path) -> None:
+    """The check above can fail: planted upward imports (relative, absolute, deferred into a
+    function, under TYPE_CHECKING, Spark in state) are each found; downward ones are not."""
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "state" / "a.py").write_text("from ..pubsub import server\n")
+    (tmp_path / "state" / "b.py").write_text("def f() -> None:\n    import pyspark.sql\n")
+    (tmp_path / "pubsub" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pyspark_persist import x\n"
+    )
+    (tmp_path / "connector" / "d.py").write_text("import pyspark_persist.tools.cli\n")
+    (tmp_path / "tools" / "e.py").write_text(
+        "import pyspark.sql\nfrom pyspark_persist.state import a\nfrom pyspark_persist import d\n"
+    )
+    (tmp_path / "connector" / "f.py").write_text("import pyspark.sql\nfrom .state import a\n")
+    assert layer_violations(tmp_path) == [
+        "pyspark_persist.d -> pyspark_persist.tools.cli (line 1)",
+        "pyspark_persist.pubsub.c -> pyspark_persist (line 3)",
+        "pyspark_persist.state.a -> pyspark_persist.pubsub (line 1)",
+        "pyspark_persist.state.b -> pyspark.sql (line 2)",
+    ]

@@ -619,13 +619,14 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
 
     from pyspark_persist.state.errors import PartNotFound
     from pyspark_persist.state.parts import consolidate, data_schema
-    from pyspark_persist.state.read import iter_parts, snapshot_parts
+    from pyspark_persist.state.planning import plan_read
+    from pyspark_persist.state.read import iter_parts
 
     for _attempt in range(_SHOW_ATTEMPTS):
         state = shard.state()
         schema = shard.schema  # of that state: parts older than a column read null there
         at = _check_as_of(state, as_of)
-        parts = snapshot_parts(state, at, shard.client.blob.uri)
+        parts = plan_read(state, shard.client.blob.uri, as_of=at).parts
         progress = Progress(f"reading {shard.name}", len(parts))
         tables: list[pa.Table] = []
         try:

@@ -29,8 +29,6 @@ from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, Shard
 from pyspark_persist.state.errors import InvalidUsage
-from pyspark_persist.state.parts import LeasedPart
-from pyspark_persist.state.state import PartRef
 from pyspark_persist.stream_reader import (
     DataLoss,
     LeaseHolder,
@@ -38,7 +36,6 @@ from pyspark_persist.stream_reader import (
     PersistInputPartition,
     PersistStreamReader,
     read_partition,
-    split_parts,
 )
 
 
@@ -119,33 +116,6 @@ def drain(
         batches.append(out)
         start = end
     raise AssertionError("the source never stopped producing micro-batches")
-
-
-def fake_part(size: int, i: int) -> LeasedPart:
-    """A leased part of ``size`` bytes (never fetched)."""
-    ref = PartRef(f"k/part/{i}", None, size, 1, 0, 0)
-    return LeasedPart("k", "mem://x", ref, 0, 1, None, 1)
-
-
-# --- splitting ---------------------------------------------------------------------------
-
-
-def test_split_parts_balances_by_bytes_and_respects_min_and_max() -> None:
-    """Every part goes to exactly one task; task count follows bytes, minPartitions and #parts."""
-    parts = [fake_part(s, i) for i, s in enumerate([100, 90, 50, 40, 30, 10])]
-    assert split_parts([], 1, 4) == []
-    one = split_parts(parts, 10_000, 1)
-    assert len(one) == 1 and len(one[0]) == 6
-    by_bytes = split_parts(parts, 110, 1)  # 320 bytes / 110 -> 3 tasks
-    assert len(by_bytes) == 3
-    loads = sorted(sum(p.part.size_bytes for p in b) for b in by_bytes)
-    assert loads[-1] - loads[0] <= 20  # greedy balance
-    assert len(split_parts(parts, 10_000, 4)) == 4
-    assert len(split_parts(parts, 1, 1)) == 6  # never more tasks than parts
-    assert len(split_parts(parts, 1, 100)) == 6
-    for split in (one, by_bytes, split_parts(parts, 1, 1)):
-        got = sorted(p.part.key or "" for b in split for p in b)
-        assert got == sorted(p.part.key or "" for p in parts)
 
 
 def test_first_micro_batch_of_a_big_snapshot_is_split_over_partitions() -> None:
@@ -377,8 +347,8 @@ def test_available_now_ends_at_the_upper_seen_when_prepared() -> None:
 def test_available_now_with_limit_survives_compaction_across_its_upper() -> None:
     """A merged batch straddling the AvailableNow upper must not stall a limited query.
 
-    Regression: ``_limited_upper`` stopped before such a batch and returned the start's
-    upper, so each micro-batch was empty and AvailableNow never terminated.
+    Regression: the cap (now ``planning.limited_upper``) stopped before such a batch and
+    returned the start's upper, so each micro-batch was empty and AvailableNow never terminated.
     """
     env = Env()
     for k in range(3):

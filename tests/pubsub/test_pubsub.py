@@ -314,12 +314,9 @@ class Injector(BasePublisher):
         self._deliver(topic, diff.seqno, diff.data)
 
 
-def forged_diff(state: ShardState, **scalars: int) -> VersionedData:
+def forged_diff(state: ShardState, upper: int | None = None) -> VersionedData:
     """A well-formed diff to ``state.seqno + 1`` that no writer ever committed."""
-    builder = DiffBuilder(state)
-    for name, value in scalars.items():
-        builder.set(name, value)
-    diff = builder.build()
+    diff = DiffBuilder(state).set(upper=upper).build()
     return VersionedData(diff.to_seqno, encode(diff))
 
 

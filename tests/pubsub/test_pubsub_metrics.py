@@ -145,3 +145,19 @@ def test_the_endpoint_stays_on_loopback_unless_allowed() -> None:
         assert scrape(endpoint.url)["persist_pubsub_connections"] == 0  # before it serves
     finally:
         endpoint.stop()
+
+
+def test_every_pubsub_counter_has_a_count() -> None:
+    """``PubSubCount`` names each public counter of ``PubSubMetrics`` exactly once, and
+    ``incr`` adds to that counter only (no I/O)."""
+    from dataclasses import fields
+
+    from pyspark_persist.pubsub.metrics import PubSubCount, PubSubMetrics
+
+    counters = [f.name for f in fields(PubSubMetrics) if not f.name.startswith("_")]
+    assert sorted(c.value for c in PubSubCount) == sorted(counters)
+    metrics = PubSubMetrics()
+    metrics.incr(PubSubCount.APPLIED_CLEANLY, 2)
+    snapshot = metrics.snapshot()
+    assert snapshot["applied_cleanly"] == 2
+    assert sum(snapshot[c] for c in counters) == 2

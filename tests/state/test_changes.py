@@ -6,8 +6,9 @@ from types import MappingProxyType
 
 import pytest
 
-from pyspark_persist.state.changes import change_parts, check_change_range
+from pyspark_persist.state.changes import check_change_range
 from pyspark_persist.state.errors import InvalidFrontier
+from pyspark_persist.state.planning import plan_read
 from pyspark_persist.state.state import Batch, PartRef, ShardState
 
 
@@ -55,7 +56,7 @@ def test_change_parts_are_the_parts_with_times_in_range(
 ) -> None:
     """Exactly the parts whose (effective) times meet [lower, upper), each cut to the range."""
     check_change_range(STATE, lower, upper, "readChanges")
-    got = change_parts(STATE, lower, upper, "mem://b")
+    got = plan_read(STATE, "mem://b", lower=lower, upper=upper).parts
     assert [p.part.key for p in got] == keys
     assert all((p.lower, p.upper, p.as_of, p.seqno) == (lower, upper, None, 9) for p in got)
 

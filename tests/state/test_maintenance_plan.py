@@ -1,6 +1,7 @@
 """Maintenance planned as data: what ``--dry-run`` shows is what the real pass then does.
 
-``compaction_plan`` is pure (a state in, merges out); ``plan_gc`` only reads.
+``compaction_plan`` is pure (a state in, merges out); ``plan_gc`` only reads;
+``requests_after_commit`` is pure (a state in, the requests a commit queues out).
 Each test plans, checks nothing changed, runs the real pass, and compares.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import MappingProxyType
 
 import pyarrow as pa
 import pytest
@@ -16,7 +18,15 @@ from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
-from pyspark_persist.state.maintenance import compaction_plan, plan_gc
+from pyspark_persist.state.maintenance import (
+    BACKGROUND_COMPACTION_ROUNDS,
+    CompactRequest,
+    GcRequest,
+    compaction_plan,
+    plan_gc,
+    requests_after_commit,
+)
+from pyspark_persist.state.state import Batch, LeasedReaderState, PartRef, ShardState
 
 SCHEMA = pa.schema([("id", pa.int64())])
 
@@ -116,3 +126,63 @@ def test_plan_gc_counts_readers_whose_lease_ran_out() -> None:
     other = PersistClient(client.blob, client.consensus, cache=StateCache())
     assert "sleepy" not in other.open_shard("s").state().leased_readers
     client.close()
+
+
+# --- what a commit asks for: pure, over hand-built states ---------------------------------
+
+
+def _state(
+    batch_rows: list[int], seqno: int, last_gc_seqno: int, reader_seqno: int | None
+) -> ShardState:
+    """A state with one batch of ``rows`` updates per entry (tiers follow rows), at ``seqno``,
+    last collected at ``last_gc_seqno``, with one leased reader holding ``reader_seqno``."""
+    batches = [
+        Batch(i, i + 1, 0, (PartRef(f"p{i}", None, 10, rows, i, i),))
+        for i, rows in enumerate(batch_rows)
+    ]
+    readers = {} if reader_seqno is None else {"r": LeasedReaderState(0, reader_seqno, 0, 1000)}
+    return ShardState(
+        shard_id="s",
+        seqno=seqno,
+        schema=b"",
+        since=0,
+        upper=len(batch_rows),
+        last_gc_seqno=last_gc_seqno,
+        batches=MappingProxyType({b.key: b for b in batches}),
+        leased_readers=MappingProxyType(readers),
+    )
+
+
+@pytest.mark.parametrize(
+    ("batch_rows", "seqno", "last_gc", "reader", "maintenance", "want"),
+    [
+        ([1], 1, 0, None, True, []),
+        ([1, 1], 1, 0, None, True, ["compact"]),  # fan_in (2) batches of one tier
+        ([100, 1], 1, 0, None, True, []),  # two tiers: nothing to merge yet
+        ([1], 40, 0, None, True, ["gc"]),  # 40 SeqNos since the last GC >= gc_interval (32)
+        ([1], 40, 10, None, True, []),  # only 30 since
+        ([1], 40, 0, 20, True, []),  # a reader holds SeqNo 20: only 20 collectable
+        ([1], 40, 0, 32, True, ["gc"]),
+        ([1, 1], 40, 0, None, True, ["compact", "gc"]),
+        ([1, 1], 40, 0, None, False, []),  # maintenance off: never
+    ],
+)
+def test_a_commit_asks_for_maintenance_as_data(
+    batch_rows: list[int],
+    seqno: int,
+    last_gc: int,
+    reader: int | None,
+    maintenance: bool,
+    want: list[str],
+) -> None:
+    """requests_after_commit returns the requests a commit's new state calls for (no I/O)."""
+    config = PersistConfig(compaction_fan_in=2, gc_interval=32, maintenance=maintenance)
+    got = requests_after_commit(_state(batch_rows, seqno, last_gc, reader), config)
+    names = {CompactRequest: "compact", GcRequest: "gc"}
+    assert [names[type(r)] for r in got] == want
+    assert all(
+        r == CompactRequest(BACKGROUND_COMPACTION_ROUNDS)
+        if isinstance(r, CompactRequest)
+        else r == GcRequest(sweep_orphans=False, force=False)
+        for r in got
+    )

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -86,6 +87,15 @@ VALUES: dict[str, Any] = {
 }
 
 
+EDITS: dict[str, tuple[Callable[[DiffBuilder, str, Any], object], Callable[..., object]]] = {
+    "batches": (lambda b, _key, v: b.put_batch(v), DiffBuilder.delete_batch),
+    "writers": (DiffBuilder.put_writer, DiffBuilder.delete_writer),
+    "leased_readers": (DiffBuilder.put_leased_reader, DiffBuilder.delete_leased_reader),
+    "critical_readers": (DiffBuilder.put_critical_reader, DiffBuilder.delete_critical_reader),
+}
+"""Each map's typed put (builder, key, value; a batch is keyed by its interval) and delete."""
+
+
 @st.composite
 def diff_steps(draw: st.DrawFn, state: ShardState) -> StateDiff:
     """A random diff from ``state``: scalar sets, map puts, deletes of existing keys."""
@@ -97,19 +107,19 @@ def diff_steps(draw: st.DrawFn, state: ShardState) -> StateDiff:
         ("created_ms", u32),
     ):
         if draw(st.booleans()):
-            b.set(name, draw(strat))
+            b.set(**{name: draw(strat)})
     if draw(st.booleans()):
-        b.set("schema", draw(st.binary(max_size=20)))
+        b.set(schema=draw(st.binary(max_size=20)))
     for name, strat in VALUES.items():
+        put, delete = EDITS[name]
         for _ in range(draw(st.integers(0, 2))):
             value = strat if name != "batches" else batches()
-            v = draw(value)
-            b.put(name, v.key if name == "batches" else draw(names), v)
+            put(b, draw(names), draw(value))
         existing = sorted(getattr(state, name))
         if existing and draw(st.booleans()):
-            b.delete(name, draw(st.sampled_from(existing)))
+            delete(b, draw(st.sampled_from(existing)))
     if draw(st.booleans()):
-        b.put("rollups", draw(st.integers(1, 10**6)), f"s/rollup/{draw(names)}")
+        b.put_rollup(draw(st.integers(1, 10**6)), f"s/rollup/{draw(names)}")
     return b.build()
 
 
@@ -118,7 +128,7 @@ def histories(draw: st.DrawFn) -> list[StateDiff]:
     """A creation diff followed by a few random diffs, each from the state before it."""
     state = EMPTY_STATE
     out = []
-    first = DiffBuilder(state).set("shard_id", draw(names)).set("schema", b"x").build()
+    first = DiffBuilder(state).set(shard_id=draw(names), schema=b"x").build()
     out.append(first)
     state = state.apply(first)
     for _ in range(draw(st.integers(0, 5))):
@@ -167,7 +177,7 @@ def test_corrupt_or_truncated_diff_is_corrupt_data(
 
 def test_diff_not_following_state_is_refused() -> None:
     """A diff from the wrong SeqNo never applies silently."""
-    d = DiffBuilder(EMPTY_STATE).set("shard_id", "s").build()
+    d = DiffBuilder(EMPTY_STATE).set(shard_id="s").build()
     state = EMPTY_STATE.apply(d)
     with pytest.raises(CorruptData):
         state.apply(d)

@@ -1,0 +1,241 @@
+"""Read planning: which parts of one ShardState answer a read, and how to split them.
+
+Every read of a shard, whatever drives it, asks the same question of one
+state: *which parts hold the updates with times in* ``[lower, upper)``, *and
+at what time are they read?* :func:`plan_read` is the only answer in the
+project. The snapshot (``ReadHandle.snapshot``, ``persist shards show``, the
+Spark batch read), the change feed (``readChanges``), each listen event,
+each micro-batch of the streaming source and each cut of a capped snapshot
+are all calls to it, with different arguments:
+
+- ``as_of=t``: the collection at ``t``, i.e. every update at a time in
+  ``[0, t]`` read as at ``t``. Over that whole range a part referenced
+  negated (an atomic replace's retraction) and a plain reference to the same
+  data cancel, so neither is fetched.
+- ``lower``/``upper`` without ``as_of``: every update in ``[lower, upper)``
+  with its own time (a listen event, a change range, a streaming
+  micro-batch).
+- both: one cut of a snapshot, the updates at times in ``[lower, upper)``
+  read as at ``as_of`` (a streaming source under a read limit).
+
+:class:`ReadLimits` caps the range (``max_bytes``/``max_parts``/``max_rows``:
+the plan's ``upper`` is then where the longest run of whole batches that fits
+ends, and always past at least one batch with data) and splits the parts
+over tasks by size (``split_bytes``, ``min_splits``).
+
+It is pure: no I/O, no leases, no clock. Which state to plan from (leased,
+so GC keeps its parts) and which frontiers to refuse (with the caller's own
+error) stay with the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .errors import InvalidUsage
+from .parts import LeasedPart
+from .state import Batch, PartRef, ShardState, Time
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """How much one read may take and how to spread it over tasks (``None``: no cap).
+
+    The caps count whole batches of the trace, so a read never ends inside a
+    batch unless the requested range itself does.
+    """
+
+    max_bytes: int | None = None
+    """Encoded bytes of the batches read (Spark's ``maxBytesPerTrigger``)."""
+    max_parts: int | None = None
+    """Parts (files) of the batches read (Spark's ``maxFilesPerTrigger``)."""
+    max_rows: int | None = None
+    """Stored updates of the batches read (Spark's ``maxRowsPerTrigger``)."""
+    split_bytes: int | None = None
+    """Target bytes per split; ``None``: all parts in one split."""
+    min_splits: int = 1
+    """At least this many splits (never more splits than parts)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_parts", "max_rows", "split_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidUsage(f"read limit {name}={value} must be positive (or None: no cap)")
+        if self.min_splits < 1:
+            raise InvalidUsage(f"read limit min_splits={self.min_splits} must be at least 1")
+
+    @property
+    def caps(self) -> bool:
+        """True when some cap may end the read before the requested upper."""
+        return (self.max_bytes, self.max_parts, self.max_rows) != (None, None, None)
+
+
+NO_LIMITS = ReadLimits()
+"""Everything in the range, in one split."""
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """The parts answering ``[lower, upper)`` (read as at ``as_of`` when set) of state ``seqno``.
+
+    ``upper`` is the end actually planned: the requested one, or earlier where
+    a cap of the limits cut the range. ``splits`` partitions ``parts``.
+    """
+
+    shard_id: str
+    seqno: int
+    lower: Time
+    upper: Time
+    as_of: Time | None
+    parts: tuple[LeasedPart, ...]
+    splits: tuple[tuple[LeasedPart, ...], ...]
+
+    @property
+    def size_bytes(self) -> int:
+        """Encoded bytes to fetch."""
+        return sum(p.part.size_bytes for p in self.parts)
+
+    @property
+    def rows(self) -> int:
+        """Updates stored in the parts (an upper bound on the rows the read yields)."""
+        return sum(p.part.rows for p in self.parts)
+
+    @property
+    def may_retract(self) -> bool:
+        """True when some part may hold a negative diff (so a consolidated read must
+        see all parts together); unknown diff bounds count as may."""
+        return any((p.part.effective_dmin or -1) <= 0 for p in self.parts)
+
+
+def plan_read(
+    state: ShardState,
+    blob_uri: str,
+    *,
+    as_of: Time | None = None,
+    lower: Time = 0,
+    upper: Time | None = None,
+    limits: ReadLimits = NO_LIMITS,
+    skip: Callable[[PartRef], bool] | None = None,
+) -> ReadPlan:
+    """The parts of ``state`` to read for the range and ``as_of`` given (see the module doc).
+
+    ``upper`` defaults to ``as_of + 1`` for a snapshot, else the shard's
+    upper. ``skip`` drops parts the caller can prove hold nothing it wants
+    (pushed-down filters), before splitting. Raises InvalidUsage for a range
+    that ends before it starts or, with ``as_of``, reaches past ``as_of``.
+    """
+    if upper is None:
+        upper = state.upper if as_of is None else as_of + 1
+    if upper < lower:
+        raise InvalidUsage(
+            f"read range [{lower}, {upper}) of shard {state.shard_id!r} ends before it starts: "
+            "plan with upper >= lower"
+        )
+    if as_of is not None and upper > as_of + 1:
+        raise InvalidUsage(
+            f"read range [{lower}, {upper}) of shard {state.shard_id!r} reaches past as_of "
+            f"{as_of}: a snapshot holds times up to as_of only; plan with upper <= {as_of + 1}"
+        )
+    if limits.caps:
+        upper = limited_upper(state, lower, upper, limits)
+    refs = [
+        p
+        for b in state.trace
+        if b.upper > lower and b.lower < upper
+        for p in b.parts
+        if p.effective_max_time >= lower and p.effective_min_time < upper
+    ]
+    if as_of is not None and lower == 0 and upper == as_of + 1:
+        refs = cancel_negations(refs, as_of)
+    if skip is not None:
+        refs = [p for p in refs if not skip(p)]
+    parts = tuple(
+        LeasedPart(state.shard_id, blob_uri, p, lower, upper, as_of, state.seqno) for p in refs
+    )
+    if limits.split_bytes is None:
+        splits: tuple[tuple[LeasedPart, ...], ...] = (parts,) if parts else ()
+    else:
+        splits = tuple(tuple(s) for s in split_parts(parts, limits.split_bytes, limits.min_splits))
+    return ReadPlan(state.shard_id, state.seqno, lower, upper, as_of, parts, splits)
+
+
+def limited_upper(state: ShardState, lower: Time, target: Time, limits: ReadLimits) -> Time:
+    """The upper of the longest run of whole batches from ``lower`` that fits every cap.
+
+    A read always takes at least one batch with data, so a single batch
+    larger than a cap still makes progress. A batch compacted across
+    ``target`` (e.g. an AvailableNow upper) is taken up to ``target`` when
+    nothing was taken yet (the parts are cut by time), or the reader would
+    never move on.
+    """
+    costs: tuple[tuple[int | None, Callable[[Batch], int]], ...] = (
+        (limits.max_bytes, lambda b: b.size_bytes),
+        (limits.max_parts, lambda b: len(b.parts)),
+        (limits.max_rows, lambda b: b.rows),
+    )
+    caps = [(cap, cost) for cap, cost in costs if cap is not None]
+    used = [0] * len(caps)
+    end = lower
+    for b in state.trace:
+        if b.upper <= lower:
+            continue
+        if b.upper > target:
+            if not any(used):
+                end = target
+            break
+        took = [cost(b) for _, cost in caps]
+        if any(u > 0 and u + c > cap for u, c, (cap, _) in zip(used, took, caps, strict=True)):
+            break
+        used = [u + c for u, c in zip(used, took, strict=True)]
+        end = b.upper
+    return end
+
+
+def cancel_negations(parts: list[PartRef], as_of: Time) -> list[PartRef]:
+    """Drop each negated reference together with a plain reference to the same data.
+
+    An atomic replace retracts old contents by referencing their parts
+    negated; at an ``as_of`` that both wholly precede (all times advanced to
+    ``as_of``) the pair sums to nothing, so a snapshot need not fetch either.
+    Only valid for a whole snapshot: a cut of one keeps different rows of
+    the two (the negated reference's times are rewritten).
+    """
+    whole = [p for p in parts if p.effective_max_time <= as_of]
+    negated = collections.Counter(p.identity for p in whole if p.negate)
+    if not negated:
+        return parts
+    plain = collections.Counter(p.identity for p in whole if not p.negate)
+    cancel = {k: min(n, plain[k]) for k, n in negated.items() if plain[k]}
+    drop_plain, drop_neg = dict(cancel), dict(cancel)
+    out = []
+    for p in parts:
+        pool = drop_neg if p.negate else drop_plain
+        if p.effective_max_time <= as_of and pool.get(p.identity, 0) > 0:
+            pool[p.identity] -= 1
+            continue
+        out.append(p)
+    return out
+
+
+def split_parts(
+    parts: Sequence[LeasedPart], split_bytes: int, min_splits: int
+) -> list[list[LeasedPart]]:
+    """Spread parts over tasks by size: about ``split_bytes`` each, at least ``min_splits``.
+
+    Largest parts first, each to the lightest task (the classic greedy
+    balance); never more tasks than parts.
+    """
+    if not parts:
+        return []
+    total = sum(p.part.size_bytes for p in parts)
+    n = max(min_splits, -(-total // max(split_bytes, 1)))
+    n = min(n, len(parts))
+    bins: list[list[LeasedPart]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for p in sorted(parts, key=lambda p: p.part.size_bytes, reverse=True):
+        i = loads.index(min(loads))
+        bins[i].append(p)
+        loads[i] += p.part.size_bytes
+    return bins
