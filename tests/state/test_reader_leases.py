@@ -20,6 +20,7 @@ import pytest
 from key_helpers import SCHEMA, counts, updates
 
 from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state import maintenance as maintenance_module
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
@@ -87,7 +88,7 @@ def test_gc_in_the_lease_window_cannot_delete_handed_out_parts(
         other.close()
 
 
-def test_long_maintenance_does_not_starve_heartbeats() -> None:
+def test_long_maintenance_does_not_starve_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compaction held (by a hook) for many heartbeat intervals: the reader keeps its lease."""
     tag = uuid.uuid4().hex
     config = PersistConfig(heartbeat_interval_s=0.01, reader_lease_s=60.0, maintenance=True)
@@ -98,15 +99,16 @@ def test_long_maintenance_does_not_starve_heartbeats() -> None:
     try:
         shard = client.open_shard("starve", SCHEMA)
         maintenance = client.maintenance
-        real_compact_now = maintenance.compact_now
+        real_run_request = maintenance_module.run_request
 
-        def held_compact_now(*args: Any, **kwargs: Any) -> Any:
+        def held_run_request(*args: Any, **kwargs: Any) -> Any:
             holding.set()
             release.wait(60)
-            return real_compact_now(*args, **kwargs)
+            return real_run_request(*args, **kwargs)
 
-        maintenance.compact_now = held_compact_now  # type: ignore[method-assign]
-        maintenance._submit("compact", shard.machine)
+        # The background runner executes every request through run_request: hold it there.
+        monkeypatch.setattr(maintenance_module, "run_request", held_run_request)
+        maintenance._submit(shard.machine, maintenance_module.CompactRequest())
         assert holding.wait(30), "maintenance never started"
         reader = shard.reader()
         real_heartbeat = reader.heartbeat
