@@ -136,7 +136,7 @@ def compare_and_append(
             )
         )
         if evolved != state.schema:
-            b.set("schema", evolved)
+            b.set(schema=evolved)
     last = state.trace[-1] if state.trace else None
     if not parts and last is not None and not last.parts and last.since == state.since:
         # Empty appends only advance the upper: extend the previous empty batch so
