@@ -65,12 +65,19 @@ def sink_schema(shard_schema: pa.Schema, frame: pa.Schema, shard: str, merge: bo
     """
     evolved = evolve_schema(shard_schema, frame, shard, "persist sink")
     new = [f for f in frame if f.name not in shard_schema.names]
+    absent = [f"{f.name!r} ({f.type})" for f in shard_schema if f.name not in frame.names]
     if new and not merge:
         listed = ", ".join(f"{f.name!r} ({f.type})" for f in new)
+        renamed = (
+            f" (and lacks the shard's {', '.join(absent)}: a column cannot be renamed)"
+            if absent
+            else ""
+        )
         raise SchemaMismatch(
-            f"persist sink: the DataFrame has column(s) {listed} that shard {shard!r} lacks: "
-            'to add them to the shard\'s schema, write with .option("mergeSchema", "true") (rows '
-            "written before read null there), or drop them. Nothing was written"
+            f"persist sink: the DataFrame has column(s) {listed} that shard {shard!r} "
+            f"lacks{renamed}: to add them to the shard's schema, write with "
+            '.option("mergeSchema", "true") (rows written before read null there), or drop '
+            "them. Nothing was written"
         )
     required = [f.name for f in shard_schema if f.name not in frame.names and not f.nullable]
     if required:

@@ -183,8 +183,11 @@ def stage_rows(
 
     started = time.perf_counter()
     schema = decode_schema(shard_schema)
-    target = schema.append(pa.field(DIFF, DIFF_TYPE)) if has_diff else schema
-    # Shard columns the DataFrame lacks are written null (Delta's rule; checked nullable).
+    staged = schema.append(pa.field(DIFF, DIFF_TYPE)) if has_diff else schema
+    # Spark's columns are all nullable: cast to nullable fields and leave a null in a column
+    # the shard declares non-nullable to the builder, which names it. Shard columns the
+    # DataFrame lacks are written null (Delta's rule; the driver checked they are nullable).
+    target = pa.schema([f.with_nullable(True) for f in staged])
     config = PersistConfig(
         part_target_bytes=opts.part_size_bytes or PersistConfig.part_target_bytes
     )

@@ -90,9 +90,14 @@ def schema_mismatch_message(
     """
     exp = {f.name: f.type for f in expected}
     act = {f.name: f.type for f in actual}
-    problems = [f"missing column {n!r} ({t})" for n, t in exp.items() if n not in act]
+    missing = [f"missing column {n!r} ({t})" for n, t in exp.items() if n not in act]
     extra = [f"unexpected column {n!r} ({t})" for n, t in act.items() if n not in exp]
-    problems += extra
+    problems = missing + extra
+    evolve = (
+        f" ({add_hint} to add new columns or write null in missing nullable ones)"
+        if add_hint and (missing or extra)
+        else ""
+    )
     problems += [
         f"column {n!r} is {act[n]}, the shard has {t}"
         for n, t in exp.items()
@@ -110,7 +115,6 @@ def schema_mismatch_message(
     ]
     if not problems and expected.names != actual.names:
         problems.append(f"column order {actual.names} differs from the shard's {expected.names}")
-    evolve = f" (to add columns to the shard, {add_hint})" if add_hint and extra else ""
     return (
         f"schema does not match shard {shard!r}: {'; '.join(problems)}. "
         f"Write with the shard's schema{evolve} or use a new shard name"

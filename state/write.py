@@ -36,7 +36,13 @@ from . import commands
 from .blob import Blob
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
-from .errors import InvalidFrontier, InvalidUpdates, InvalidUsage, StagedPartsExpired
+from .errors import (
+    InvalidFrontier,
+    InvalidUpdates,
+    InvalidUsage,
+    SchemaMismatch,
+    StagedPartsExpired,
+)
 from .machine import Machine, RunInfo
 from .parts import (
     ARROW,
@@ -572,10 +578,16 @@ class WriteHandle:
                 checked = True
             return outcome
 
-        result = self._machine.run(append, info=info)
-        if isinstance(result, UpperMismatch) and delete_on_mismatch:
-            from .maintenance import never_committed
+        from .maintenance import never_committed
 
+        try:
+            result = self._machine.run(append, info=info)
+        except SchemaMismatch:
+            # A merge-schema commit that met a conflicting column can never land: its parts
+            # go now (those an earlier attempt with a lost reply did commit stay).
+            delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
+            raise
+        if isinstance(result, UpperMismatch) and delete_on_mismatch:
             delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
         return result
 

@@ -300,3 +300,55 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidUsage, match=r"nosuchfs://bucket/ckpt/metadata.*writerId"):
         PersistStreamWriter(opts, SCHEMA, False)
+
+
+def test_merge_schema_stream_write_evolves_once_and_replays_apply_once(tmp_path: Path) -> None:
+    """mergeSchema on a stream: the first commit adds the column, a replayed micro-batch (a new
+    writer object, as after a crash) applies neither rows nor schema again, and a shard column
+    the DataFrame lacks is written null."""
+    shard = f"merge-{uuid.uuid4().hex[:8]}"
+    ckpt = _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+    plain = _writer(shard, ckpt)
+    plain.commit([_stage(plain, range(0, 3))], 0)
+    opts = PersistOptions.parse(
+        {"path": shard, "checkpointLocation": str(ckpt), "mergeSchema": "true"}, "stream_write"
+    )
+
+    def stage(writer: PersistStreamWriter, ids: range) -> PersistCommitMessage:
+        rb = pa.RecordBatch.from_pydict({"id": pa.array(list(ids)), "score": pa.array(list(ids))})
+        return writer.write(iter([rb]))
+
+    narrow = StructType([SCHEMA.fields[0], StructField("score", LongType())])
+    for _ in range(2):  # the second pass is Spark's replay of micro-batch 1
+        merging = PersistStreamWriter(opts, narrow, False)
+        merging.commit([stage(merging, range(3, 5))], 1)
+    shard_ = PersistClient.open().open_shard(shard)
+    assert shard_.schema.names == ["id", "name", "score"]
+    table = shard_.reader().snapshot_table()
+    got = sorted(
+        zip(*(table.column(n).to_pylist() for n in ("id", "name", "score", "_diff")), strict=True)
+    )
+    assert got == [
+        (0, "n0", None, 1),
+        (1, "n1", None, 1),
+        (2, "n2", None, 1),
+        (3, None, 3, 1),
+        (4, None, 4, 1),
+    ]
+    no_merge = PersistOptions.parse(
+        {"path": shard, "checkpointLocation": str(ckpt)}, "stream_write"
+    )
+    extra = StructType([*SCHEMA.fields, StructField("extra", LongType())])
+    with pytest.raises(InvalidUsage, match=r"'extra' \(int64\).*mergeSchema"):
+        PersistStreamWriter(no_merge, extra, False)
+
+
+def test_a_null_in_a_non_nullable_shard_column_is_named(tmp_path: Path) -> None:
+    """A Python-created shard may declare a column non-nullable: the sink's task names it."""
+    shard = f"nonnull-{uuid.uuid4().hex[:8]}"
+    schema = pa.schema([pa.field("id", pa.int64(), False), ("name", pa.string())])
+    PersistClient.open().open_shard(shard, schema)
+    writer = _writer(shard, _checkpoint(tmp_path / "ckpt", str(uuid.uuid4())))
+    rb = pa.RecordBatch.from_pydict({"id": pa.array([1, None], pa.int64()), "name": ["a", "b"]})
+    with pytest.raises(InvalidUsage, match=r"column 'id' .* non-nullable"):
+        writer.write(iter([rb]))

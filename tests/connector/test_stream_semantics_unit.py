@@ -17,7 +17,12 @@ from source_helpers import SCHEMA, Row, rows
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, Shard
-from pyspark_persist.state.errors import InvalidFrontier, InvalidUsage, SchemaChanged
+from pyspark_persist.state.errors import (
+    InvalidFrontier,
+    InvalidUsage,
+    SchemaChanged,
+    SchemaMismatch,
+)
 from pyspark_persist.stream_reader import DataLoss, PersistStreamReader
 
 DAY = 86_400_000
@@ -520,3 +525,36 @@ def test_a_schema_change_stops_the_stream_and_a_restart_reads_on_once_with_nulls
         (8, 0.5, 1),
         (9, 1.5, 1),
     ]
+
+
+def test_batch_and_change_feed_reads_give_old_rows_null_in_new_columns() -> None:
+    """Snapshot (plain and consolidating, after an overwrite) and readChanges reads planned after
+    a mergeSchema write have its column, null for the rows written before."""
+    import pickle
+
+    from pyspark_persist.batch_reader import make_batch_reader
+
+    env = Env()
+    env.writer.append(rows(range(0, 3)))
+    env.writer.append(rows(range(3, 4)).append_column("tag", pa.array(["t"])), merge_schema=True)
+    env.shard.state()
+    schema = read_schema(env.shard.schema)
+
+    def read(**options: str) -> list[tuple[int, str | None, int]]:
+        reader = make_batch_reader(env.options("read", **options), schema)
+        remote = pickle.loads(pickle.dumps(reader))
+        return sorted(
+            (r["id"], r["tag"], r["_diff"])
+            for p in reader.partitions()
+            for b in remote.read(pickle.loads(pickle.dumps(p)))
+            for r in b.to_pylist()
+        )
+
+    expected = [(0, None, 1), (1, None, 1), (2, None, 1), (3, "t", 1)]
+    assert read() == expected
+    assert read(readChanges="true") == expected
+    with pytest.raises(SchemaMismatch, match=r"missing column 'tag'.*merge_schema=True"):
+        env.writer.append(rows(range(0, 1), diff=-1))
+    # A retraction (one consolidating task) cancels row 0 across the two schemas.
+    env.writer.append(rows(range(0, 1), diff=-1), merge_schema=True)
+    assert read() == expected[1:]

@@ -199,11 +199,13 @@ def test_racing_writers_both_add_their_columns(client: PersistClient) -> None:
     third = PersistClient(client.blob, client.consensus, config=QUIET, cache=StateCache())
     stale = third.open_shard("s")
     first.writer().append(rows(1, 2, c=pa.array([1], pa.int64())), merge_schema=True)
-    before = first.state()
+    before, keys = first.state(), part_keys(client, "s")
+    big = rows(20_000, 3, c=pa.array(["y"] * 20_000))  # staged to Blob, not inline
     with pytest.raises(SchemaMismatch, match=r"'c'.*string.*int64"):
-        stale.writer().append(rows(1, 3, c=pa.array(["y"])), merge_schema=True)
+        stale.writer().append(big, merge_schema=True)
     after = first.state()
     assert (after.seqno, after.upper) == (before.seqno, before.upper)
+    assert part_keys(client, "s") == keys  # the refused commit's staged part was deleted
 
 
 def test_listen_and_iter_snapshot_conform_old_parts() -> None:
