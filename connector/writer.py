@@ -41,7 +41,6 @@ from pyspark_persist.source import blob_for, client_for
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage, ShardNotFound
-from pyspark_persist.state.maintenance import unreferenced
 from pyspark_persist.state.parts import (
     ARROW,
     DIFF,
@@ -50,7 +49,7 @@ from pyspark_persist.state.parts import (
     decode_schema,
     encode_schema,
 )
-from pyspark_persist.state.write import BatchBuilder, StagedBatch, delete_staged
+from pyspark_persist.state.write import BatchBuilder, StagedBatch, delete_staged, unreferenced
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 from typing import Generic, TypeVar
 
-from .diff import DiffBuilder, StateDiff
+from .diff import DiffBuilder
 from .parts import decode_schema, encode_schema, evolve_schema
 from .state import (
     EMPTY_STATE,
@@ -25,6 +25,7 @@ from .state import (
     LeasedReaderState,
     PartRef,
     ShardState,
+    StateDiff,
     Time,
     WriterState,
 )

@@ -1,8 +1,10 @@
 """State diffs: the unit stored in Consensus, pushed over PubSub and rolled up in Blob.
 
-A :class:`StateDiff` takes a :class:`~pyspark_persist.state.state.ShardState`
-from SeqNo ``n`` to ``n + 1``: scalars it sets, and for each map-valued field
-the entries it puts and the keys it deletes. A rollup is the same thing from
+A :class:`~pyspark_persist.state.state.StateDiff` (defined beside the state it
+changes, so that module needs nothing from this one) takes a
+:class:`~pyspark_persist.state.state.ShardState` from SeqNo ``n`` to
+``n + 1``: scalars it sets, and for each map-valued field the entries it
+puts and the keys it deletes. A rollup is the same thing from
 the empty state (SeqNo 0) straight to a SeqNo, so one decoder reads both.
 
 Encoding (``FORMAT_VERSION`` 1)::
@@ -21,7 +23,6 @@ import struct
 import zlib
 from base64 import b64decode, b64encode
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CorruptData, IncompatibleVersion, ShardNotFound
@@ -32,6 +33,7 @@ from .state import (
     CriticalReaderState,
     LeasedReaderState,
     ShardState,
+    StateDiff,
     Time,
     WriterState,
 )
@@ -39,22 +41,6 @@ from .state import (
 FORMAT_VERSION = 1
 _MAGIC = b"PSD"
 _HEADER = struct.Struct(">3sBI")
-
-
-@dataclass(frozen=True)
-class StateDiff:
-    """The change from SeqNo ``from_seqno`` to ``to_seqno``; see the module doc."""
-
-    shard_id: str
-    from_seqno: int
-    to_seqno: int
-    scalars: Mapping[str, Any] = field(default_factory=dict)
-    maps: Mapping[str, tuple[Mapping[Any, Any], frozenset[Any]]] = field(default_factory=dict)
-
-    @property
-    def deleted_batches(self) -> frozenset[str]:
-        """The keys of the batches this diff removes (replaced by a merge, or extended)."""
-        return frozenset(self.maps.get("batches", ({}, frozenset()))[1])
 
 
 class DiffBuilder:

@@ -30,9 +30,9 @@ from typing import Any
 
 from .blob import Blob
 from .consensus import Consensus
-from .diff import StateDiff, decode
+from .diff import decode
 from .errors import CorruptData, InvalidFrontier, ShardNotFound
-from .state import EMPTY_STATE, Batch, PartRef, ShardState
+from .state import EMPTY_STATE, Batch, PartRef, ShardState, StateDiff
 from .versions import rollup_key
 
 

@@ -116,7 +116,7 @@ class RunInfo:
     A caller that cleans up after a refused command (compaction deleting its
     merged parts, a writer deleting its staged parts) must not when an attempt
     had a lost reply: that attempt may have committed, and a later state may
-    still reference what it wrote (see :func:`~pyspark_persist.state.maintenance.never_committed`).
+    still reference what it wrote (see :func:`~pyspark_persist.state.write.never_committed`).
     """
 
     indeterminate_seqnos: list[int] = field(default_factory=list)

@@ -47,10 +47,9 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import replace as dc_replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -71,12 +70,11 @@ from .parts import (
     part_key_created_ms,
     with_times,
 )
-from .state import EMPTY_STATE, Batch, PartRef, ShardState
+from .read import ReadHandle, iter_parts
+from .state import Batch, ShardState
 from .tracing import traced
-from .versions import rollup_key, write_rollup
-
-if TYPE_CHECKING:
-    from .read import ReadHandle
+from .versions import read_history, rollup_key, write_rollup
+from .write import BatchBuilder, check_staged, delete_staged, never_committed
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +164,6 @@ class CompactionReport:
 @traced("compact")
 def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     """Merge ``batches`` (adjacent, in time order) and swap the merge into state if still valid."""
-    from .read import iter_parts
-    from .write import BatchBuilder, check_staged, delete_staged
-
     state = machine.state()
     lower, upper = batches[0].lower, batches[-1].upper
     rows_in = sum(b.rows for b in batches)
@@ -227,56 +222,6 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     return CompactionReport(len(batches), rows_in, rows_out, True, ok)
 
 
-def never_committed(machine: Machine, parts: Sequence[PartRef], info: RunInfo) -> list[PartRef]:
-    """The keyed ``parts`` a refused command may delete: those no committed state references.
-
-    Without a lost reply the command surely committed nothing, so all of
-    them. After one, the attempt may have landed and a later state (another
-    compaction's merge, a reader's leased SeqNo) may reference its parts, so
-    only parts that no state kept in Consensus references, read now, and only
-    once the head is past every unknown attempt (an attempt still in flight
-    could land later). Whatever this cannot prove stays for GC: a landed
-    attempt's parts are collected like any replaced batch's, an unlanded
-    one's by the orphan sweep.
-    """
-    keyed = [p for p in parts if p.key is not None]
-    if not info.uncertain or not keyed:
-        return keyed
-    return unreferenced(machine, keyed, after_seqno=max(info.indeterminate_seqnos))
-
-
-def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 0) -> list[PartRef]:
-    """The keyed ``parts`` that no state kept in Consensus references (read now).
-
-    Empty when that cannot be shown: the history is unreadable, or the head
-    is still before ``after_seqno`` (a commit attempted there may yet land).
-    States older than the oldest row are unreadable to everyone, so a part
-    only they referenced is garbage as well.
-    """
-    keyed = [p for p in parts if p.key is not None]
-    try:
-        history = _read_history(machine)
-    except PersistError as e:
-        log.info("shard %s: kept staged parts after an unknown outcome: %s", machine.shard_id, e)
-        return []
-    if history is None:
-        return []
-    start, rows, _ = history
-    head = rows[-1].seqno if rows else start.seqno
-    if head < after_seqno:
-        return []
-    referenced = _referenced_keys(start)
-    state = start
-    for row in rows:
-        state = state.apply(decode(row.data, where=f"consensus row {state.shard_id!r}"))
-        referenced |= _referenced_keys(state)
-    return [p for p in keyed if p.key not in referenced]
-
-
-def _referenced_keys(state: ShardState) -> set[str]:
-    return {p.key for b in state.batches.values() for p in b.parts if p.key is not None}
-
-
 @dataclass(frozen=True)
 class GcReport:
     """What one GC pass did."""
@@ -305,7 +250,7 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
     if not claimed and not force and not sweep_orphans:
         return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
     shard = machine.shard_id
-    history = _read_history(machine)
+    history = read_history(machine.shard_id, machine.consensus, machine.blob)
     if history is None:
         return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
     start, pending, first = history
@@ -364,26 +309,6 @@ def _orphans(
         if seqno < oldest_rollup and seqno not in rollups:
             doomed.append(meta.key)
     return doomed
-
-
-def _read_history(machine: Machine) -> tuple[ShardState, list[VersionedData], int] | None:
-    """The state at the oldest Consensus row, the rows to apply to it, and that row's SeqNo.
-
-    None if there are no rows, or if another GC truncated meanwhile (the
-    oldest row's rollup is gone: that GC did the work).
-    """
-    shard = machine.shard_id
-    rows = machine.consensus.scan(shard, 0)
-    if not rows:
-        return None
-    first = rows[0].seqno
-    if first == 1:
-        return EMPTY_STATE, rows, first
-    data = machine.blob.get(rollup_key(shard, first))
-    if data is None:
-        return None
-    start = EMPTY_STATE.apply(decode(data, where=f"rollup {rollup_key(shard, first)!r}"))
-    return start, rows[1:], first
 
 
 @dataclass(frozen=True)
@@ -465,7 +390,7 @@ def plan_gc(machine: Machine) -> GcPlan:
     if isinstance(outcome, commands.Apply):
         state = state.apply(outcome.diff)
     seqno_since = state.seqno_since
-    history = _read_history(machine)
+    history = read_history(machine.shard_id, machine.consensus, machine.blob)
     if history is None:
         return GcPlan(seqno_since, outcome.result, (), (), 0, ())
     start, pending, first = history

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -47,8 +47,13 @@ from .planning import NO_LIMITS, ReadLimits, ReadPlan, plan_read
 from .state import Batch, PartRef, ShardState, Time
 from .tracing import traced
 
-if TYPE_CHECKING:
-    from .maintenance import Maintenance
+
+class ReaderTracker(Protocol):
+    """What heartbeats readers in the background (the client's
+    :class:`~pyspark_persist.state.maintenance.Maintenance`)."""
+
+    def track_reader(self, reader: ReadHandle) -> None:
+        """Heartbeat ``reader`` until it is closed or collected."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ class ReadHandle:
     def __init__(
         self,
         machine: Machine,
-        maintenance: Maintenance | None = None,
+        maintenance: ReaderTracker | None = None,
         reader_id: str | None = None,
         lease_s: float | None = None,
     ) -> None:

@@ -25,12 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import CorruptData
-
-if TYPE_CHECKING:
-    from .diff import StateDiff
 
 Time = int
 """An update's time: an unsigned 64-bit integer (milliseconds since the epoch for Spark writes)."""
@@ -366,6 +363,25 @@ class ShardState:
             raise CorruptData(
                 f"shard {self.shard_id!r}: batches end at {expected_lower}, upper is {self.upper}"
             )
+
+
+@dataclass(frozen=True)
+class StateDiff:
+    """The change from SeqNo ``from_seqno`` to ``to_seqno``: scalars set, and per map-valued
+    field the entries put and the keys deleted. Built by
+    :class:`~pyspark_persist.state.diff.DiffBuilder`, encoded by :mod:`~pyspark_persist.state.diff`.
+    """
+
+    shard_id: str
+    from_seqno: int
+    to_seqno: int
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+    maps: Mapping[str, tuple[Mapping[Any, Any], frozenset[Any]]] = field(default_factory=dict)
+
+    @property
+    def deleted_batches(self) -> frozenset[str]:
+        """The keys of the batches this diff removes (replaced by a merge, or extended)."""
+        return frozenset(self.maps.get("batches", ({}, frozenset()))[1])
 
 
 EMPTY_STATE = ShardState(shard_id="", seqno=0, schema=b"", since=0, upper=0)

@@ -75,3 +75,25 @@ def load_state(
     raise CorruptData(
         f"shard {shard_id!r}: the oldest Consensus row keeps changing and has no rollup in Blob"
     )
+
+
+def read_history(
+    shard: str, consensus: Consensus, blob: Blob
+) -> tuple[ShardState, list[VersionedData], int] | None:
+    """The state at the oldest Consensus row, the rows to apply to it, and that row's SeqNo.
+
+    None if there are no rows, or if another GC truncated meanwhile (the
+    oldest row's rollup is gone: that GC did the work). What GC walks, and
+    what a cleanup after an unknown outcome searches for references.
+    """
+    rows = consensus.scan(shard, 0)
+    if not rows:
+        return None
+    first = rows[0].seqno
+    if first == 1:
+        return EMPTY_STATE, rows, first
+    data = blob.get(rollup_key(shard, first))
+    if data is None:
+        return None
+    start = EMPTY_STATE.apply(decode(data, where=f"rollup {rollup_key(shard, first)!r}"))
+    return start, rows[1:], first

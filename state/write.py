@@ -21,6 +21,7 @@ Parts that were staged but never committed are invisible and are deleted by
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -36,10 +37,12 @@ from . import commands
 from .blob import Blob
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
+from .diff import decode
 from .errors import (
     InvalidFrontier,
     InvalidUpdates,
     InvalidUsage,
+    PersistError,
     SchemaMismatch,
     StagedPartsExpired,
 )
@@ -64,6 +67,9 @@ from .parts import (
 )
 from .state import PartRef, ShardState, Time
 from .tracing import traced
+from .versions import read_history
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -578,8 +584,6 @@ class WriteHandle:
                 checked = True
             return outcome
 
-        from .maintenance import never_committed
-
         try:
             result = self._machine.run(append, info=info)
         except SchemaMismatch:
@@ -642,3 +646,53 @@ def _with_rewrite(part: PartRef, ts_rewrite: Time) -> PartRef:
 
     current = part.ts_rewrite
     return replace(part, ts_rewrite=ts_rewrite if current is None else max(current, ts_rewrite))
+
+
+def never_committed(machine: Machine, parts: Sequence[PartRef], info: RunInfo) -> list[PartRef]:
+    """The keyed ``parts`` a refused command may delete: those no committed state references.
+
+    Without a lost reply the command surely committed nothing, so all of
+    them. After one, the attempt may have landed and a later state (another
+    compaction's merge, a reader's leased SeqNo) may reference its parts, so
+    only parts that no state kept in Consensus references, read now, and only
+    once the head is past every unknown attempt (an attempt still in flight
+    could land later). Whatever this cannot prove stays for GC: a landed
+    attempt's parts are collected like any replaced batch's, an unlanded
+    one's by the orphan sweep.
+    """
+    keyed = [p for p in parts if p.key is not None]
+    if not info.uncertain or not keyed:
+        return keyed
+    return unreferenced(machine, keyed, after_seqno=max(info.indeterminate_seqnos))
+
+
+def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 0) -> list[PartRef]:
+    """The keyed ``parts`` that no state kept in Consensus references (read now).
+
+    Empty when that cannot be shown: the history is unreadable, or the head
+    is still before ``after_seqno`` (a commit attempted there may yet land).
+    States older than the oldest row are unreadable to everyone, so a part
+    only they referenced is garbage as well.
+    """
+    keyed = [p for p in parts if p.key is not None]
+    try:
+        history = read_history(machine.shard_id, machine.consensus, machine.blob)
+    except PersistError as e:
+        log.info("shard %s: kept staged parts after an unknown outcome: %s", machine.shard_id, e)
+        return []
+    if history is None:
+        return []
+    start, rows, _ = history
+    head = rows[-1].seqno if rows else start.seqno
+    if head < after_seqno:
+        return []
+    referenced = _referenced_keys(start)
+    state = start
+    for row in rows:
+        state = state.apply(decode(row.data, where=f"consensus row {state.shard_id!r}"))
+        referenced |= _referenced_keys(state)
+    return [p for p in keyed if p.key not in referenced]
+
+
+def _referenced_keys(state: ShardState) -> set[str]:
+    return {p.key for b in state.batches.values() for p in b.parts if p.key is not None}

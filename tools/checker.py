@@ -237,18 +237,16 @@ def sabotaged(sabotage: str | None) -> Iterator[None]:
     if sabotage != "delete_after_unknown":
         yield
         return
-    from pyspark_persist.state import maintenance
+    from unittest import mock
 
-    real = maintenance.never_committed
+    from pyspark_persist.state import maintenance
 
     def old_rule(machine: Any, parts: Sequence[Any], info: Any) -> list[Any]:
         return [p for p in parts if p.key is not None]
 
-    maintenance.never_committed = old_rule  # type: ignore[assignment]
-    try:
+    # Compaction's lookup of the rule (a writer's own cleanup keeps the real one).
+    with mock.patch.object(maintenance, "never_committed", old_rule):
         yield
-    finally:
-        maintenance.never_committed = real
 
 
 @dataclass(frozen=True)

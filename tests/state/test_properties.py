@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyspark_persist.state import PersistClient, PersistConfig
-from pyspark_persist.state.diff import DiffBuilder, StateDiff, decode, encode, full_diff
+from pyspark_persist.state.diff import DiffBuilder, decode, encode, full_diff
 from pyspark_persist.state.errors import CorruptData, PersistError
 from pyspark_persist.state.parts import DIFF, TIME, consolidate
 from pyspark_persist.state.state import (
@@ -30,6 +30,7 @@ from pyspark_persist.state.state import (
     LeasedReaderState,
     PartRef,
     ShardState,
+    StateDiff,
     WriterState,
 )
 
