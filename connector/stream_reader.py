@@ -62,7 +62,7 @@ from pyspark_persist.state.changes import Behind, behind, change_parts
 from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import LeasedPart
+from pyspark_persist.state.parts import TIME, LeasedPart
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
 from pyspark_persist.state.times import check_readable, describe
@@ -599,6 +599,10 @@ def read_partition(
 
     target = output_arrow_schema(schema)
     parts = partition.leased_parts()
-    for table in iter_parts(blob_for(partition.blob_uri), parts):
-        if table.num_rows:
-            yield from table.select(target.names).cast(target).to_batches()
+    time_type = target.field(TIME).type
+    for table in iter_parts(blob_for(partition.blob_uri), parts, time_type=time_type):
+        if not table.num_rows:
+            continue
+        if not table.schema.equals(target):  # usually equal: the stored types are Spark's
+            table = table.select(target.names).cast(target)
+        yield from table.to_batches()

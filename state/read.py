@@ -33,6 +33,7 @@ from .blob import Blob
 from .errors import InvalidFrontier, LeaseExpired
 from .machine import Machine
 from .parts import (
+    TIME_TYPE,
     LeasedPart,
     consolidate,
     data_schema,
@@ -126,12 +127,16 @@ def snapshot_parts(state: ShardState, as_of: Time, blob_uri: str) -> tuple[Lease
 
 
 def iter_parts(
-    blob: Blob, parts: Sequence[LeasedPart], batch_rows: int = 65536
+    blob: Blob,
+    parts: Sequence[LeasedPart],
+    batch_rows: int = 65536,
+    time_type: pa.DataType = TIME_TYPE,
 ) -> Iterator[pa.Table]:
     """Yield the shaped updates of ``parts`` in slices, fetching the next part meanwhile.
 
     Reads every part format (``PartRef.fmt``): Arrow parts batch by batch as
-    stored, Parquet parts ``batch_rows`` rows at a time.
+    stored, Parquet parts ``batch_rows`` rows at a time. ``_time`` comes out as
+    ``time_type`` (see :func:`~pyspark_persist.state.parts.shape_updates`).
 
     Holds the bytes of at most two parts plus one decoded slice: about
     ``3 * part_target_bytes`` whatever the number of parts.
@@ -146,7 +151,7 @@ def iter_parts(
                 nxt = parts[i + 1]
                 fut = pool.submit(fetch_part_bytes, blob, nxt.part, nxt.shard_id)
             for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
-                yield shape_updates(rb, leased)
+                yield shape_updates(rb, leased, time_type)
             del data
             release_memory()
 

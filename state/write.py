@@ -24,7 +24,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from .parts import (
     encode_inline,
     encode_parquet,
     new_part_key,
+    part_checksum,
     part_ref,
     release_memory,
     time_bounds,
@@ -203,7 +203,7 @@ class BatchBuilder:
         self._blob.set(key, data)
         with self._timing_lock:
             self.upload_s += time.perf_counter() - started
-        ref = encoder.stats.ref(key, None, len(data), zlib.crc32(data), ARROW)
+        ref = encoder.stats.ref(key, None, len(data), part_checksum(data), ARROW)
         del data, encoder
         release_memory()
         return ref
@@ -282,7 +282,7 @@ class BatchBuilder:
         self._blob.set(key, data)
         with self._timing_lock:
             self.upload_s += time.perf_counter() - started
-        ref = part_ref(table, key, None, len(data), zlib.crc32(data))
+        ref = part_ref(table, key, None, len(data), part_checksum(data))
         del data, table
         release_memory()
         return ref
