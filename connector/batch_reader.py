@@ -13,12 +13,19 @@ small.
 
 The snapshot's SeqNo is leased by a reader registered while planning, so GC
 keeps its parts. Spark reports nothing back when batch tasks finish, so the
-lease is held by the job's own work: every task heartbeats it when it starts
-and, while it reads, every third of the lease. It therefore lasts as long as
-the job runs, and runs out ``leaseSeconds`` (default ``reader_lease_s``, 60 s)
-after the last task stopped. Only a job whose tasks all wait longer than
-that (a queue on a busy cluster) needs a longer ``leaseSeconds``; its tasks
-then fail with LeaseExpired naming the option, never with a missing part.
+lease is held by the job's own work: a task heartbeats it once a third of the
+lease has passed since planning or since its last heartbeat, when it starts
+and while it reads. It therefore lasts as long as the job runs, and runs out
+``leaseSeconds`` (default ``reader_lease_s``, 60 s) after the last task
+stopped. Only a job whose tasks all wait longer than that (a queue on a busy
+cluster) needs a longer ``leaseSeconds``; its tasks then fail with
+LeaseExpired naming the option, never with a missing part. A task that
+starts within a third of the lease touches no Consensus at all (no
+connection, no state fetch, no compare-and-set before its first batch): the
+planner's registration still holds for two thirds of the lease. The planner's
+clock and the tasks' are compared, so executors whose clocks run more than a
+third of the lease behind the driver's may beat late, and then fail with
+LeaseExpired, never read a part GC took.
 
 ``pushFilters`` (opt-in: Spark refuses a reader that implements it unless
 ``spark.sql.python.filterPushdown.enabled`` is true, so it is used only with
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +102,8 @@ class BatchLease:
     reader_id: str
     seqno: int
     lease_ms: int
+    planned_ms: int
+    """When the planner registered the reader (its clock): the lease runs from then."""
 
 
 _lease_clients: dict[tuple[str, str], PersistClient] = {}
@@ -118,20 +128,34 @@ def lease_client(opts: PersistOptions) -> PersistClient:
         return client
 
 
+def clock_ms() -> int:
+    """A task's clock: the wall clock in milliseconds, which persist clients stamp leases
+    with (the planner's registration time included) unless given another."""
+    return time.time_ns() // 1_000_000
+
+
 class _LeaseKeeper:
-    """Heartbeats one batch read's lease from a task: at once, then every third of the lease."""
+    """Heartbeats one batch read's lease from a task, every third of the lease.
+
+    The first third after planning needs no heartbeat (the registration holds),
+    so the task opens its Consensus client, and fetches state, only when a beat
+    is due: a short job's tasks never do.
+    """
 
     def __init__(self, opts: PersistOptions, lease: BatchLease) -> None:
         self._opts = opts
         self._lease = lease
-        self._machine = lease_client(opts).open_shard(opts.shard, create=False).machine
-        self._last_ms: int | None = None
+        self._machine: Machine | None = None
+        self._last_ms = lease.planned_ms
 
     def beat(self) -> None:
         """Extend the lease if a third of it passed since the last beat; LeaseExpired if gone."""
-        now = self._machine.clock_ms()
-        if self._last_ms is not None and now - self._last_ms < self._lease.lease_ms // 3:
+        now = clock_ms()
+        if now - self._last_ms < self._lease.lease_ms // 3:
             return
+        if self._machine is None:
+            client = lease_client(self._opts)
+            self._machine = client.open_shard(self._opts.shard, create=False).machine
         lease = self._lease
         held = self._machine.run(
             lambda s: heartbeat_leased_reader(
@@ -163,10 +187,13 @@ class PersistBatchReader(DataSourceReader):
         # The driver does not heartbeat: Spark tells a batch reader nothing when its tasks
         # finish. The tasks heartbeat the lease while they run (BatchLease), and once they are
         # done it runs out after leaseSeconds (default reader_lease_s).
+        planned_ms = shard.machine.clock_ms()
         reader = ReadHandle(shard.machine, lease_s=self._opts.lease_seconds)
         lease_ms = int((self._opts.lease_seconds or shard.machine.config.reader_lease_s) * 1000)
         if self._opts.read_changes:
-            return self._change_partitions(shard.machine, client.blob.uri, reader, lease_ms)
+            return self._change_partitions(
+                shard.machine, client.blob.uri, reader, lease_ms, planned_ms
+            )
         as_of = self._opts.as_of
         if as_of is None:
             as_of = reader.latest_as_of()
@@ -177,7 +204,7 @@ class PersistBatchReader(DataSourceReader):
         plan = reader.snapshot_plan(as_of, self._split_limits(), lambda p: _skip(p, filters))
         if filters:
             log.debug("persist: %s parts left after the pushed filters", len(plan.parts))
-        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms)
+        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms)
         if plan.may_retract:
             return [ConsolidatingPartition(client.blob.uri, plan.parts, lease)]
         return [BatchPartition(client.blob.uri, s, lease) for s in plan.splits]
@@ -189,7 +216,12 @@ class PersistBatchReader(DataSourceReader):
         )
 
     def _change_partitions(
-        self, machine: Machine, blob_uri: str, reader: ReadHandle, lease_ms: int
+        self,
+        machine: Machine,
+        blob_uri: str,
+        reader: ReadHandle,
+        lease_ms: int,
+        planned_ms: int,
     ) -> Sequence[InputPartition]:
         """readChanges: every update in [start, end) with its own time, unconsolidated.
 
@@ -214,7 +246,7 @@ class PersistBatchReader(DataSourceReader):
             upper = state.upper
         check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
         plan = plan_read(state, blob_uri, lower=lower, upper=upper, limits=self._split_limits())
-        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms)
+        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms)
         return [BatchPartition(blob_uri, s, lease) for s in plan.splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

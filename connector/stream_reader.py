@@ -61,7 +61,7 @@ from pyspark_persist.state.changes import Behind, behind
 from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage, SchemaChanged
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import LeasedPart, conform_columns, decode_schema
+from pyspark_persist.state.parts import TIME, LeasedPart, conform_columns, decode_schema
 from pyspark_persist.state.planning import NO_LIMITS, ReadLimits, plan_read
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import ShardState
@@ -601,7 +601,11 @@ def read_partition(
 
     target = output_arrow_schema(schema)
     parts = partition.leased_parts()
-    for table in iter_parts(blob_for(partition.blob_uri), parts):
-        if table.num_rows:
+    time_type = target.field(TIME).type
+    for table in iter_parts(blob_for(partition.blob_uri), parts, time_type=time_type):
+        if not table.num_rows:
+            continue
+        if not table.schema.equals(target):  # usually equal: the stored types are Spark's
             # A part written before a column was added reads null there.
-            yield from conform_columns(table, target).cast(target).to_batches()
+            table = conform_columns(table, target).cast(target)
+        yield from table.to_batches()

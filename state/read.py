@@ -33,6 +33,7 @@ from .blob import Blob
 from .errors import InvalidFrontier, LeaseExpired
 from .machine import Count, Machine
 from .parts import (
+    TIME_TYPE,
     LeasedPart,
     conform_columns,
     consolidate,
@@ -91,6 +92,7 @@ def iter_parts(
     parts: Sequence[LeasedPart],
     batch_rows: int = 65536,
     schema: pa.Schema | None = None,
+    time_type: pa.DataType = TIME_TYPE,
 ) -> Iterator[pa.Table]:
     """Yield the shaped updates of ``parts`` in slices, fetching the next part meanwhile.
 
@@ -98,6 +100,8 @@ def iter_parts(
     stored, Parquet parts ``batch_rows`` rows at a time. With ``schema`` (the
     shard's row columns at the read) every slice has exactly its columns: a
     part written before a column was added reads null there.
+    ``_time`` comes out as ``time_type`` (see
+    :func:`~pyspark_persist.state.parts.shape_updates`).
 
     Holds the bytes of at most two parts plus one decoded slice: about
     ``3 * part_target_bytes`` whatever the number of parts.
@@ -113,7 +117,7 @@ def iter_parts(
                 nxt = parts[i + 1]
                 fut = pool.submit(fetch_part_bytes, blob, nxt.part, nxt.shard_id)
             for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
-                table = shape_updates(rb, leased)
+                table = shape_updates(rb, leased, time_type)
                 yield table if target is None else conform_columns(table, target)
             del data
             release_memory()

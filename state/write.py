@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +60,7 @@ from .parts import (
     encode_schema,
     evolve_schema,
     new_part_key,
+    part_checksum,
     part_ref,
     release_memory,
     time_bounds,
@@ -219,7 +219,7 @@ class BatchBuilder:
         self._blob.set(key, data)
         with self._timing_lock:
             self.upload_s += time.perf_counter() - started
-        ref = encoder.stats.ref(key, None, len(data), zlib.crc32(data), ARROW)
+        ref = encoder.stats.ref(key, None, len(data), part_checksum(data), ARROW)
         del data, encoder
         release_memory()
         return ref
@@ -298,7 +298,7 @@ class BatchBuilder:
         self._blob.set(key, data)
         with self._timing_lock:
             self.upload_s += time.perf_counter() - started
-        ref = part_ref(table, key, None, len(data), zlib.crc32(data))
+        ref = part_ref(table, key, None, len(data), part_checksum(data))
         del data, table
         release_memory()
         return ref

@@ -45,6 +45,7 @@ class Job:
         key = (f"mem://{tag}", f"mem://{tag}")
         monkeypatch.setitem(source._clients, (*key, None), self.client)
         monkeypatch.setitem(batch_reader._lease_clients, key, self.client)
+        monkeypatch.setattr(batch_reader, "clock_ms", lambda: self.now_ms)
         self.shard = self.client.open_shard("events", SCHEMA)
         self.writer = self.shard.writer("loader")
         for i in range(4):
@@ -122,3 +123,18 @@ def test_lease_seconds_option_and_expiry_error(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(LeaseExpired, match="leaseSeconds"):
         _ids(reader, partition)
     short.close()
+
+
+def test_tasks_that_start_soon_after_planning_touch_no_consensus(job: Job) -> None:
+    """Tasks that start within a third of the lease read without a heartbeat (the planner's
+    registration holds): the shard's state does not move. Later tasks do heartbeat."""
+    reader = job.reader()
+    partitions = reader.partitions()
+    seqno = job.shard.machine.fetch_latest().seqno
+    job.now_ms += 19_000  # under a third of the default 60 s lease
+    rows = [i for p in partitions for i in _ids(reader, p)]
+    assert sorted(rows) == list(range(4 * ROWS_PER_BATCH))
+    assert job.shard.machine.fetch_latest().seqno == seqno
+    job.now_ms += 2_000  # 21 s after planning: the next task extends the lease
+    assert _ids(reader, partitions[0])
+    assert job.shard.machine.fetch_latest().seqno == seqno + 1

@@ -195,3 +195,58 @@ def test_builder_refuses_an_unknown_format(client: Any) -> None:
     """The builder names the formats it can write."""
     with pytest.raises(InvalidUsage, match="arrow"):
         BatchBuilder(client.blob, "s", SCHEMA, client.config, part_format="csv")
+
+
+def test_checksums_of_older_parts_still_verify_and_a_flipped_byte_is_caught(client: Any) -> None:
+    """Parts written before the faster checksum recorded zlib's CRC-32: they still read, and a
+    byte flipped anywhere in a stored part is CorruptData naming it, never other rows."""
+    import zlib
+    from dataclasses import replace
+
+    shard = client.open_shard("crc", SCHEMA)
+    staged = stage(client, shard, [rows(300)], ARROW)
+    part = staged.parts[0]
+    assert part.key is not None
+    data = client.blob.get(part.key)
+    assert part.crc == zlib.crc32(data)
+    old_ref = replace(part, crc=zlib.crc32(data))
+    assert fetch_part_bytes(client.blob, old_ref, "crc") == data
+    for pos in (0, len(data) // 2, len(data) - 1):
+        client.blob.set(part.key, data[:pos] + bytes([data[pos] ^ 0x10]) + data[pos + 1 :])
+        with pytest.raises(CorruptData, match=part.key.rsplit("/", 1)[1]):
+            fetch_part_bytes(client.blob, part, "crc")
+
+
+def test_snapshot_shaping_sets_every_time_to_as_of_after_a_rewrite(client: Any) -> None:
+    """A snapshot part whose stored times sit below its ts_rewrite (the sink's parts) reads at
+    as_of; a negated one reads with its diffs negated; a listen keeps the rewritten times."""
+    from dataclasses import replace
+
+    from pyspark_persist.state.parts import shape_updates
+
+    shard = client.open_shard("shape", SCHEMA)
+    part = replace(stage(client, shard, [rows(100)], ARROW).parts[0], ts_rewrite=7)
+    data = fetch_part_bytes(client.blob, part, "shape")
+    (batch,) = list(iter_part_batches(data, part, "shape"))
+    snap = LeasedPart("shape", client.blob.uri, part, 0, 10, 9, 1)
+    got = shape_updates(batch, snap)
+    assert set(got.column(TIME).to_pylist()) == {9}
+    assert got.schema.field(TIME).nullable is False
+    assert set(got.column(DIFF).to_pylist()) == {1}
+    negated = shape_updates(batch, replace(snap, part=replace(part, negate=True)))
+    assert set(negated.column(DIFF).to_pylist()) == {-1}
+    listen = shape_updates(batch, LeasedPart("shape", client.blob.uri, part, 7, 8, None, 1))
+    assert set(listen.column(TIME).to_pylist()) == {7} and listen.num_rows == 100
+
+
+def test_arrow_parts_hold_batches_of_at_most_read_batch_rows(tmp_path: Path) -> None:
+    """One large input is stored as record batches of at most ``read_batch_rows`` rows, so a
+    reader hands Spark bounded batches whatever sizes the writer was given."""
+    config = PersistConfig(read_batch_rows=1000, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    shard = c.open_shard("big", SCHEMA)
+    (part,) = stage(c, shard, [rows(4500)], ARROW).parts
+    data = fetch_part_bytes(c.blob, part, "big")
+    sizes = [b.num_rows for b in iter_part_batches(data, part, "big")]
+    assert sum(sizes) == 4500 and max(sizes) <= 1000
+    c.close()
