@@ -138,6 +138,14 @@ def iter_parts(
     """
     if not parts:
         return
+    if len(parts) == 1:
+        # Nothing to fetch meanwhile (a streaming micro-batch's part, say): no thread to
+        # start and join, which on a busy machine costs more than reading a small part.
+        (leased,) = parts
+        data = fetch_part_bytes(blob, leased.part, leased.shard_id)
+        for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
+            yield shape_updates(rb, leased)
+        return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist-fetch") as pool:
         fut = pool.submit(fetch_part_bytes, blob, parts[0].part, parts[0].shard_id)
         for i, leased in enumerate(parts):
