@@ -37,7 +37,7 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import write_schema
-from pyspark_persist.source import blob_for, client_for
+from pyspark_persist.source import blob_for, client_for, open_shard
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage
@@ -147,9 +147,7 @@ def _read_remote(uri: str) -> bytes:
 def _prepare_shard(opts: PersistOptions, schema: StructType) -> tuple[bytes, bool]:
     """Create the shard on first write, or check the DataFrame matches it; before any task."""
     arrow, has_diff = write_schema(schema)
-    shard = client_for(opts).open_shard(
-        opts.shard, arrow, create=True, retention_ms=opts.retention_ms
-    )
+    shard = open_shard(opts, arrow, create=True, retention_ms=opts.retention_ms)
     return encode_schema(shard.schema), has_diff
 
 
@@ -197,13 +195,17 @@ def commit_staged(
     messages: list[WriterCommitMessage | None],
     replace: bool,
 ) -> SinkBatchMetrics:
-    """Driver side: make every task's parts visible in one compare_and_append, exactly once."""
+    """Driver side: make every task's parts visible in one compare_and_append, exactly once.
+
+    One Consensus round trip when nothing races: the expected upper is the
+    one this process holds, and a stale one is answered with the current
+    upper (UpperMismatch), which the next attempt uses.
+    """
     started = time.perf_counter()
     msgs = _staged(messages)
     staged = [StagedBatch.from_json(json.loads(m.staged)) for m in msgs]
-    client = client_for(opts)
-    writer = client.open_shard(opts.shard, create=False).writer(writer_id)
-    upper = writer.fetch_upper()
+    writer = open_shard(opts).writer(writer_id)
+    upper = writer.upper
     while True:
         t = max(upper, time.time_ns() // 1_000_000)
         result = writer.compare_and_append_batches(
