@@ -15,9 +15,12 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.state.blob import Blob, open_blob
-from pyspark_persist.state.client import PersistClient
+from pyspark_persist.state.client import PersistClient, Shard
+from pyspark_persist.state.parts import decode_schema
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from pyspark_persist.stream_reader import PersistStreamReader
     from pyspark_persist.writer import PersistBatchWriter, PersistStreamWriter
 
@@ -44,6 +47,34 @@ def client_for(opts: PersistOptions) -> PersistClient:
                 opts.blob, opts.consensus, publisher=publisher
             )
         return client
+
+
+def open_shard(
+    opts: PersistOptions,
+    schema: pa.Schema | None = None,
+    *,
+    create: bool = False,
+    retention_ms: int | None = None,
+) -> Shard:
+    """``client_for(opts).open_shard(...)``, without reading Consensus while PubSub delivers.
+
+    Spark calls the sink's ``streamWriter()`` twice per micro-batch (to plan
+    the tasks and to commit) and each would read the shard's state from
+    Consensus to check the schema. While PubSub delivers this shard, the
+    state this process holds is Consensus's (every push is confirmed against
+    it), so the check runs against it; anything it cannot answer (no state
+    yet, PubSub off or down, another schema, a retention to set) goes to
+    :meth:`PersistClient.open_shard`, which reads Consensus and raises the
+    usual errors.
+    """
+    client = client_for(opts)
+    machine = client.machine(opts.shard)
+    state = machine.shared.state
+    if state is not None and opts.pubsub is not None and machine.shared.push_healthy:
+        if retention_ms is None or retention_ms == state.retention_ms:
+            if schema is None or schema.equals(decode_schema(state.schema)):
+                return Shard(client, machine)
+    return client.open_shard(opts.shard, schema, create=create, retention_ms=retention_ms)
 
 
 _blobs: dict[str, Blob] = {}

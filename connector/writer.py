@@ -37,7 +37,7 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import sink_schema, write_schema
-from pyspark_persist.source import blob_for, client_for
+from pyspark_persist.source import blob_for, client_for, open_shard
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage, ShardNotFound
@@ -165,10 +165,11 @@ class SinkSchema:
 def _prepare_shard(opts: PersistOptions, schema: StructType) -> SinkSchema:
     """Create the shard on first write, or check the DataFrame against it; before any task."""
     arrow, has_diff = write_schema(schema)
-    client = client_for(opts)
     try:
-        shard = client.open_shard(opts.shard, create=False, retention_ms=opts.retention_ms)
+        # Read from the PubSub-confirmed state when it can be (no Consensus round trip).
+        shard = open_shard(opts, retention_ms=opts.retention_ms)
     except ShardNotFound:
+        client = client_for(opts)
         shard = client.open_shard(opts.shard, arrow, create=True, retention_ms=opts.retention_ms)
     current = shard.schema
     staged = sink_schema(current, arrow, shard.name, opts.merge_schema)
@@ -227,13 +228,16 @@ def commit_staged(
     """Driver side: make every task's parts visible in one compare_and_append, exactly once.
 
     ``schema`` (a mergeSchema write adding columns) joins the same commit.
+
+    One Consensus round trip when nothing races: the expected upper is the
+    one this process holds, and a stale one is answered with the current
+    upper (UpperMismatch), which the next attempt uses.
     """
     started = time.perf_counter()
     msgs = _staged(messages)
     staged = [StagedBatch.from_json(json.loads(m.staged)) for m in msgs]
-    client = client_for(opts)
-    writer = client.open_shard(opts.shard, create=False).writer(writer_id)
-    upper = writer.fetch_upper()
+    writer = open_shard(opts).writer(writer_id)
+    upper = writer.upper
     while True:
         t = max(upper, time.time_ns() // 1_000_000)
         result = writer.compare_and_append_batches(

@@ -109,6 +109,18 @@ def iter_parts(
     if not parts:
         return
     target = None if schema is None else data_schema(schema)
+
+    def shaped(data: bytes, leased: LeasedPart) -> Iterator[pa.Table]:
+        for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
+            table = shape_updates(rb, leased, time_type)
+            yield table if target is None else conform_columns(table, target)
+
+    if len(parts) == 1:
+        # Nothing to fetch meanwhile (a streaming micro-batch's part, say): no thread to
+        # start and join, which on a busy machine costs more than reading a small part.
+        (leased,) = parts
+        yield from shaped(fetch_part_bytes(blob, leased.part, leased.shard_id), leased)
+        return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist-fetch") as pool:
         fut = pool.submit(fetch_part_bytes, blob, parts[0].part, parts[0].shard_id)
         for i, leased in enumerate(parts):
@@ -116,9 +128,7 @@ def iter_parts(
             if i + 1 < len(parts):
                 nxt = parts[i + 1]
                 fut = pool.submit(fetch_part_bytes, blob, nxt.part, nxt.shard_id)
-            for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
-                table = shape_updates(rb, leased, time_type)
-                yield table if target is None else conform_columns(table, target)
+            yield from shaped(data, leased)
             del data
             release_memory()
 

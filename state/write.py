@@ -206,9 +206,14 @@ class BatchBuilder:
             table = table.slice(rows_fit)
             self._submit_arrow()
 
-    def _submit_arrow(self) -> None:
+    def _submit_arrow(self, last: bool = False) -> None:
         encoder, self._encoder = self._encoder, None
         if encoder is not None and encoder.rows:
+            if last and self._pool is None:
+                # The only part (a small write): nothing to overlap its upload with, so no
+                # thread to start and join (on a busy machine that costs more than the upload).
+                self._done.append(self._upload_arrow(encoder))
+                return
             self._wait_for_slot()
             self._pending.append(self._executor().submit(self._upload_arrow, encoder))
 
@@ -229,15 +234,17 @@ class BatchBuilder:
         """Upload what is buffered, wait for every upload, and return the staged batch."""
         if self._finished:
             raise InvalidUsage("this batch builder was already finished or aborted")
-        self._submit_arrow()
-        if self._buffer:
-            table = self._take_buffer()
-            inline = encode_inline(table) if self._allow_inline and not self._pending else None
-            if inline is not None and not self._done and len(inline) <= self._inline_limit:
-                self._done.append(part_ref(table, None, inline, len(inline)))
-            else:
-                self._submit(table)
         try:
+            self._submit_arrow(last=True)
+            if self._buffer:
+                table = self._take_buffer()
+                inline = encode_inline(table) if self._allow_inline and not self._pending else None
+                if inline is not None and not self._done and len(inline) <= self._inline_limit:
+                    self._done.append(part_ref(table, None, inline, len(inline)))
+                elif self._pool is None:
+                    self._done.append(self._upload(table))  # the only part: as in _submit_arrow
+                else:
+                    self._submit(table)
             for f in self._pending:
                 self._done.append(f.result())
         except BaseException:
