@@ -80,6 +80,7 @@ def test_merge_schema_adds_a_column_in_the_same_seqno_as_its_data(client: Persis
         {"id": 1, "name": "n1", "score": None, DIFF: 1},
         {"id": 2, "name": "n2", "score": 1.5, DIFF: 1},
     ]
+    assert [c.columns_added for c in shard.history()] == [None, None, "score"]
     # Another process (its own state cache) sees the new schema too.
     other = PersistClient(client.blob, client.consensus, config=QUIET, cache=StateCache())
     assert other.open_shard("s").schema.names == ["id", "name", "score"]
