@@ -32,6 +32,7 @@ from .blob import Blob
 from .consensus import Consensus
 from .diff import decode
 from .errors import CorruptData, InvalidFrontier, ShardNotFound
+from .parts import decode_schema
 from .state import EMPTY_STATE, Batch, PartRef, ShardState, StateDiff
 from .versions import rollup_key
 
@@ -143,6 +144,8 @@ class Commit:
     bytes_mixed: int = 0
     rows_before: int = 0
     rows_after: int = 0
+    columns_added: str | None = None
+    """The columns a merge-schema write added, comma-separated (None: the schema stayed)."""
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (for JSON, a DataFrame row)."""
@@ -189,6 +192,10 @@ def commit_of(step: Step) -> Commit | None:
             rows_before=sum(b.rows for b in gone),
             rows_after=sum(b.rows for b in new),
         )
+    columns = None
+    if after.schema != before.schema:
+        old = set(decode_schema(before.schema).names)
+        columns = ",".join(n for n in decode_schema(after.schema).names if n not in old)
     added = [p for b in new if b.lower >= before.upper for p in b.parts]
     sums = {1: [0, 0], -1: [0, 0], 0: [0, 0]}
     for p in added:
@@ -208,6 +215,7 @@ def commit_of(step: Step) -> Commit | None:
         bytes_retracted=sums[-1][1],
         rows_mixed=sums[0][0],
         bytes_mixed=sums[0][1],
+        columns_added=columns,
     )
 
 

@@ -379,7 +379,7 @@ def format_history(result: dict[str, Any]) -> str:
         [
             [
                 c["seqno"],
-                c["operation"],
+                c["operation"] + (f" +{c['columns_added']}" if c["columns_added"] else ""),
                 "" if c["committed_ms"] is None else _iso(c["committed_ms"]),
                 c["writer_id"] or "",
                 f"[{c['lower']}, {c['upper']})",

@@ -13,11 +13,14 @@ import pyarrow as pa
 import pytest
 
 from pyspark_persist.state import AlreadyCommitted, Committed, PersistClient, UpperMismatch
+from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import SchemaMismatch
 from pyspark_persist.state.parts import DIFF, MAX_TIME, TIME, LeasedPart, decode_schema
 from pyspark_persist.state.read import iter_parts
+from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
 QUIET = PersistConfig(maintenance=False)
@@ -80,6 +83,7 @@ def test_merge_schema_adds_a_column_in_the_same_seqno_as_its_data(client: Persis
         {"id": 1, "name": "n1", "score": None, DIFF: 1},
         {"id": 2, "name": "n2", "score": 1.5, DIFF: 1},
     ]
+    assert [c.columns_added for c in shard.history()] == [None, None, "score"]
     # Another process (its own state cache) sees the new schema too.
     other = PersistClient(client.blob, client.consensus, config=QUIET, cache=StateCache())
     assert other.open_shard("s").schema.names == ["id", "name", "score"]
@@ -257,4 +261,33 @@ def test_compaction_writes_the_current_schema() -> None:
     assert all(t.column_names == ["id", "name", "score", TIME, DIFF] for t in stored)
     assert records(shard.reader().snapshot_table()) == expected
     assert [r["score"] for r in expected] == [None, None, 0.5, 1.5]
+    client.close()
+
+
+def test_lost_reply_of_a_merge_commit_applies_column_and_rows_once() -> None:
+    """The compare-and-set carrying the new column lands but its reply is lost: the retry finds
+    its token committed, so the column and the rows are in state once, in one commit."""
+    blob, consensus = open_pair()
+    store = UnreliableConsensus(
+        open_consensus(consensus),
+        Faults(seed=1, fail_after=1.0, max_faults=1, ops=frozenset({"compare_and_set"})),
+        enabled=False,
+    )
+    client = PersistClient(open_blob(blob), store, config=QUIET, cache=StateCache())
+    shard = client.open_shard("s", SCHEMA)
+    w = shard.writer("w")
+    w.append(rows(2), token=1)
+    store.enabled = True
+    result = w.append(rows(1, 2, score=pa.array([1.0])), token=2, merge_schema=True)
+    store.enabled = False
+    assert store.injected["fail_after"] == 1
+    assert isinstance(result, Committed | AlreadyCommitted)
+    assert shard.state().seqno == 3
+    assert shard.schema.names == ["id", "name", "score"]
+    assert [c.columns_added for c in shard.history()] == [None, None, "score"]
+    assert [(r["id"], r["score"]) for r in records(shard.reader().snapshot_table())] == [
+        (0, None),
+        (1, None),
+        (2, 1.0),
+    ]
     client.close()
