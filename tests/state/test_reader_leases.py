@@ -12,14 +12,17 @@ Both interleavings are forced with explicit hooks, never with sleeps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import uuid
 from typing import Any
+from unittest import mock
 
 import pytest
 from key_helpers import SCHEMA, counts, updates
 
 from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state import maintenance as maintenance_module
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
@@ -95,18 +98,20 @@ def test_long_maintenance_does_not_starve_heartbeats() -> None:
     release = threading.Event()
     holding = threading.Event()
     beats = threading.Semaphore(0)
+    stack = contextlib.ExitStack()
     try:
         shard = client.open_shard("starve", SCHEMA)
         maintenance = client.maintenance
-        real_compact_now = maintenance.compact_now
+        real_run_request = maintenance_module.run_request
 
-        def held_compact_now(*args: Any, **kwargs: Any) -> Any:
+        def held_run_request(*args: Any, **kwargs: Any) -> Any:
             holding.set()
             release.wait(60)
-            return real_compact_now(*args, **kwargs)
+            return real_run_request(*args, **kwargs)
 
-        maintenance.compact_now = held_compact_now  # type: ignore[method-assign]
-        maintenance._submit("compact", shard.machine)
+        held = mock.patch.object(maintenance_module, "run_request", held_run_request)
+        stack.enter_context(held)  # the one runner of queued requests: the thread is held
+        maintenance._submit(shard.machine, maintenance_module.CompactRequest())
         assert holding.wait(30), "maintenance never started"
         reader = shard.reader()
         real_heartbeat = reader.heartbeat
@@ -128,3 +133,4 @@ def test_long_maintenance_does_not_starve_heartbeats() -> None:
     finally:
         release.set()
         client.close()
+        stack.close()
