@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..state.errors import InvalidUsage
+from .addresses import is_loopback
 
-if TYPE_CHECKING:
-    from .server import PubSubServer
+
+class MetricsSource(Protocol):
+    """What the endpoint scrapes: :class:`~pyspark_persist.pubsub.server.PubSubServer`."""
+
+    def metrics(self) -> dict[str, int]:
+        """The counters and gauges, read now, from any thread."""
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus' text exposition format."""
@@ -105,10 +111,8 @@ class MetricsEndpoint:
     """
 
     def __init__(
-        self, server: PubSubServer, host: str, port: int, *, allow_remote: bool = False
+        self, server: MetricsSource, host: str, port: int, *, allow_remote: bool = False
     ) -> None:
-        from .server import is_loopback
-
         if not allow_remote and not is_loopback(host):
             raise InvalidUsage(
                 f"refusing to serve PubSub metrics on non-loopback address {host!r}: pass "

@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import ctypes
 import hmac
-import ipaddress
 import logging
 import re
 import signal
@@ -51,6 +50,7 @@ from ..state.client import validate_shard_name
 from ..state.errors import InvalidUsage
 from . import persist_pubsub_pb2 as pb
 from . import persist_pubsub_pb2_grpc as pb_grpc
+from .addresses import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -434,16 +434,6 @@ def release_freed_memory() -> None:
 
 
 _MALLOC_TRIM: Any = None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(

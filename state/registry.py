@@ -19,13 +19,9 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from .errors import InvalidUri
-
-if TYPE_CHECKING:
-    from .blob import Blob
-    from .consensus import Consensus
 
 Store = Literal["blob", "consensus"]
 
@@ -117,18 +113,15 @@ def consensus_kind(uri: str) -> str:
     return resolve("consensus", uri).kind
 
 
-def open_blob(uri: str) -> Blob:
-    """Open the Blob named by ``uri`` (see :data:`BACKENDS` for the schemes)."""
-    resolved = resolve("blob", uri)
-    opened: Blob = _backend_class(resolved.backend).from_uri(resolved.uri)
-    return opened
+def open_store(store: Store, uri: str) -> Any:
+    """Open the store ``uri`` names with the backend of its scheme (see :data:`BACKENDS`).
 
-
-def open_consensus(uri: str) -> Consensus:
-    """Open the Consensus named by ``uri`` (see :data:`BACKENDS` for the schemes)."""
-    resolved = resolve("consensus", uri)
-    opened: Consensus = _backend_class(resolved.backend).from_uri(resolved.uri)
-    return opened
+    Typed by its two callers, :func:`~pyspark_persist.state.blob.open_blob` and
+    :func:`~pyspark_persist.state.consensus.open_consensus`, which live beside the
+    abstract class they return, so this table needs neither.
+    """
+    resolved = resolve(store, uri)
+    return _backend_class(resolved.backend).from_uri(resolved.uri)
 
 
 def _backend_class(backend: Backend) -> Any:

@@ -10,11 +10,11 @@ registry the library uses (``open_blob``/``open_consensus``), opens a shard
 by name, and from there does what a user program would: ``shards show``
 plans a snapshot with the same ``plan_read`` every reader uses and fetches
 its parts (without registering a reader, so it writes nothing);
-``shards compact``/``gc`` plan and run maintenance exactly as
-the background threads, with ``--dry-run`` printing the plan as data. The
-checker drives writers and readers against fault-injecting stores and
-checks the history it observed; the benchmarks time the public API beside
-raw pyarrow, files and Delta in the same run.
+``shards compact``/``gc`` plan and run maintenance exactly as the
+background threads, with ``--dry-run`` printing the plan as data. The
+checker drives writers and readers against fault-injecting stores and checks
+the history it observed; the benchmarks time the public API beside raw
+pyarrow, files and Delta in the same run.
 
 They are users of the library, not part of it (persist keeps the same split
 between ``persist-client`` and its ``persist-cli`` crate): everything here

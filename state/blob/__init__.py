@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import InvalidUsage
-from ..registry import open_blob as open_blob
+from ..registry import open_store
 from ..tracing import BLOB_TRACED, trace_store_class
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
@@ -119,3 +119,9 @@ class Blob(ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the Blob must not be used afterwards."""
+
+
+def open_blob(uri: str) -> Blob:
+    """Open the Blob named by ``uri`` (schemes: :data:`~..registry.BACKENDS`)."""
+    opened: Blob = open_store("blob", uri)
+    return opened

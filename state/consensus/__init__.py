@@ -35,7 +35,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ..registry import open_consensus as open_consensus
+from ..registry import open_store
 from ..tracing import CONSENSUS_TRACED, trace_store_class
 
 SeqNo = int
@@ -107,3 +107,9 @@ class Consensus(ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release connections; the Consensus must not be used afterwards."""
+
+
+def open_consensus(uri: str) -> Consensus:
+    """Open the Consensus named by ``uri`` (schemes: :data:`~..registry.BACKENDS`)."""
+    opened: Consensus = open_store("consensus", uri)
+    return opened

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from pyspark_persist import pubsub
-from pyspark_persist.pubsub.server import PubSubServer, is_loopback
+from pyspark_persist.pubsub.addresses import is_loopback
+from pyspark_persist.pubsub.server import PubSubServer
 from pyspark_persist.state.cache import SharedState
 from pyspark_persist.state.errors import InvalidUsage
 

@@ -12,9 +12,11 @@ Both interleavings are forced with explicit hooks, never with sleeps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import uuid
 from typing import Any
+from unittest import mock
 
 import pytest
 from key_helpers import SCHEMA, counts, updates
@@ -88,7 +90,7 @@ def test_gc_in_the_lease_window_cannot_delete_handed_out_parts(
         other.close()
 
 
-def test_long_maintenance_does_not_starve_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_maintenance_does_not_starve_heartbeats() -> None:
     """A compaction held (by a hook) for many heartbeat intervals: the reader keeps its lease."""
     tag = uuid.uuid4().hex
     config = PersistConfig(heartbeat_interval_s=0.01, reader_lease_s=60.0, maintenance=True)
@@ -96,6 +98,7 @@ def test_long_maintenance_does_not_starve_heartbeats(monkeypatch: pytest.MonkeyP
     release = threading.Event()
     holding = threading.Event()
     beats = threading.Semaphore(0)
+    stack = contextlib.ExitStack()
     try:
         shard = client.open_shard("starve", SCHEMA)
         maintenance = client.maintenance
@@ -106,8 +109,8 @@ def test_long_maintenance_does_not_starve_heartbeats(monkeypatch: pytest.MonkeyP
             release.wait(60)
             return real_run_request(*args, **kwargs)
 
-        # The background runner executes every request through run_request: hold it there.
-        monkeypatch.setattr(maintenance_module, "run_request", held_run_request)
+        held = mock.patch.object(maintenance_module, "run_request", held_run_request)
+        stack.enter_context(held)  # the one runner of queued requests: the thread is held
         maintenance._submit(shard.machine, maintenance_module.CompactRequest())
         assert holding.wait(30), "maintenance never started"
         reader = shard.reader()
@@ -130,3 +133,4 @@ def test_long_maintenance_does_not_starve_heartbeats(monkeypatch: pytest.MonkeyP
     finally:
         release.set()
         client.close()
+        stack.close()

@@ -46,6 +46,7 @@ from pyspark_persist.state.errors import (
     ShardNotFound,
     StoreUnavailable,
 )
+from pyspark_persist.state.planning import ReadLimits
 from pyspark_persist.state.read import iter_parts as read_iter_parts
 from pyspark_persist.state.versions import rollup_key
 
@@ -434,6 +435,33 @@ def test_snapshot_at_or_past_upper_names_the_upper(client: PersistClient, shard_
         with pytest.raises(InvalidFrontier, match="upper 4"):
             shard.reader().snapshot(as_of)
     assert len(shard.reader().snapshot_table(3)) == 1
+
+
+def test_snapshot_plan_splits_a_leased_snapshot_over_tasks(
+    client: PersistClient, shard_name: str
+) -> None:
+    """snapshot_plan leases like snapshot() and splits its parts by size: every task's parts
+    together read back the whole collection; the lease holds until released."""
+    shard = client.open_shard(shard_name, SCHEMA)
+    w = shard.writer()
+    for i in range(4):
+        w.compare_and_append(ids(BIG, start=i * BIG), i, i + 1)
+    reader = shard.reader()
+    whole = reader.snapshot()
+    plan = reader.snapshot_plan(3, ReadLimits(split_bytes=1, min_splits=2))
+    assert (plan.as_of, plan.seqno) == (3, whole.seqno)
+    assert plan.parts == whole.parts
+    assert len(plan.splits) == len(whole.parts) == 4
+    assert sorted(p.part.key or "" for s in plan.splits for p in s) == sorted(
+        p.part.key or "" for p in whole.parts
+    )
+    assert reader.leased_seqnos() == [plan.seqno]
+    got = [t for s in plan.splits for t in read_iter_parts(client.blob, s)]
+    assert triples(pa.concat_tables(got)) == triples(reader.snapshot_table())
+    reader.release(whole.seqno)
+    reader.release(plan.seqno)
+    assert reader.leased_seqnos() == []
+    reader.close()
 
 
 def test_snapshot_parts_travel_as_json(
