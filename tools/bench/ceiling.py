@@ -9,7 +9,8 @@ the API's, the benchmarks run two do-nothing peers in the same Spark session:
 - ``persist-bench-no-io``: a source that yields ``rows`` rows of the read schema from
   batches built once in memory (no fetch, no decode), over ``partitions`` tasks;
 - ``persist-bench-discard``: a sink whose tasks count the Arrow batches they receive
-  and keep nothing;
+  and keep nothing (batch writes), and whose streaming writer drains them and commits
+  nothing: the per-phase floor of any Python streaming sink;
 - ``persist-bench-no-io-stream``: a streaming source whose every micro-batch is one
   row made in memory (offsets a counter kept in the driver's source process): the
   per-phase floor of any Python streaming source.
@@ -26,6 +27,7 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
     DataSourceReader,
+    DataSourceStreamArrowWriter,
     DataSourceStreamReader,
     InputPartition,
     WriterCommitMessage,
@@ -110,8 +112,21 @@ class DiscardWriter(DataSourceArrowWriter):
         return WriterCommitMessage()
 
 
+class DiscardStreamWriter(DataSourceStreamArrowWriter):
+    """Drains each task's Arrow batches; a micro-batch's commit does nothing."""
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        """Drain the task's batches."""
+        for _ in iterator:
+            pass
+        return WriterCommitMessage()
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to make visible."""
+
+
 class DiscardSink(DataSource):
-    """``df.write.format(DISCARD)``: the cost of handing rows to a Python sink, alone."""
+    """``df.write(Stream).format(DISCARD)``: the cost of handing rows to a Python sink, alone."""
 
     @classmethod
     def name(cls) -> str:
@@ -119,6 +134,9 @@ class DiscardSink(DataSource):
 
     def writer(self, schema: StructType, overwrite: bool) -> DiscardWriter:
         return DiscardWriter()
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DiscardStreamWriter:
+        return DiscardStreamWriter()
 
 
 class NoIOStreamReader(DataSourceStreamReader):
