@@ -534,8 +534,19 @@ def constant_column(value: int, rows: int, typ: pa.DataType) -> pa.Array:
     immutable, and a read or write asks for a handful of lengths, so each is built a few
     times rather than once per batch). Built with numpy: ``pa.repeat`` of a scalar took
     0.5 ms per 65,536 rows, twenty times ``np.full``."""
-    pa.scalar(value, typ)  # out of range for typ: raises, as a cast would
-    return pa.array(np.full(rows, value, dtype=typ.to_pandas_dtype()), typ)
+    # No pa.scalar, pa.array(ndarray) or DataType.to_pandas_dtype() here: each imports
+    # pandas, ~0.2 s in every fresh Spark worker, which needs it for nothing else.
+    unsigned = pa.types.is_unsigned_integer(typ)
+    lo, hi = (
+        (0, 2**typ.bit_width - 1)
+        if unsigned
+        else (-(2 ** (typ.bit_width - 1)), 2 ** (typ.bit_width - 1) - 1)
+    )
+    if not lo <= value <= hi:
+        raise OverflowError(f"{value} does not fit {typ}")
+    kind = "u" if unsigned else "i"
+    values = np.full(rows, value, dtype=np.dtype(f"{kind}{typ.bit_width // 8}"))
+    return pa.Array.from_buffers(typ, rows, [None, pa.py_buffer(values)])
 
 
 def shape_updates(
