@@ -18,8 +18,9 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   in turn, ROUNDS times (the first round also starts their workers), and each
   writer's best round counts. Rows/s and MiB/s of each (MiB = the rows' Arrow
   bytes, 52 a row), the least CPU seconds a round cost (Spark's JVM and Python
-  workers; steadier than wall time on a loaded machine) and the ratios. Target: each persist mode >= 1.0x its
-  Parquet peer (the batch writer; for the streaming append, the file sink).
+  workers; steadier than wall time on a loaded machine) and the ratios.
+  Target: each persist mode >= 1.0x its Parquet peer (the batch writer; for
+  the streaming append, the file sink).
 - **Write-to-visible latency** of a streaming pipeline: a rate-limited
   ``rate`` source -> sink -> source of the same format -> ``foreachBatch`` on
   the driver, which records ``now - the row's creation time`` (the rate
