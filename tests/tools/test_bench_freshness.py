@@ -21,7 +21,7 @@ def test_freshness_quick_reports_every_pipeline(spark: SparkSession, tmp_path: P
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     ns = parser.parse_args(
-        ["--quick", "--seconds", "9", "--steady-seconds", "3", "--workdir", str(tmp_path)]
+        ["--quick", "--seconds", "5", "--steady-seconds", "2", "--workdir", str(tmp_path)]
     )
     report = run(ns, spark)
     by = {p.kind: p for p in report.pipelines}
