@@ -76,8 +76,24 @@ NO_LIMITS = ReadLimits()
 """Everything in the range, in one split."""
 
 
+class PartTotals:
+    """What a set of leased parts adds up to: shared by a read plan and a snapshot."""
+
+    parts: tuple[LeasedPart, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        """Encoded bytes to fetch."""
+        return sum(p.part.size_bytes for p in self.parts)
+
+    @property
+    def rows(self) -> int:
+        """Updates stored in the parts (an upper bound on the rows the read yields)."""
+        return sum(p.part.rows for p in self.parts)
+
+
 @dataclass(frozen=True)
-class ReadPlan:
+class ReadPlan(PartTotals):
     """The parts answering ``[lower, upper)`` (read as at ``as_of`` when set) of state ``seqno``.
 
     ``upper`` is the end actually planned: the requested one, or earlier where
@@ -91,16 +107,6 @@ class ReadPlan:
     as_of: Time | None
     parts: tuple[LeasedPart, ...]
     splits: tuple[tuple[LeasedPart, ...], ...]
-
-    @property
-    def size_bytes(self) -> int:
-        """Encoded bytes to fetch."""
-        return sum(p.part.size_bytes for p in self.parts)
-
-    @property
-    def rows(self) -> int:
-        """Updates stored in the parts (an upper bound on the rows the read yields)."""
-        return sum(p.part.rows for p in self.parts)
 
     @property
     def may_retract(self) -> bool:

@@ -44,7 +44,7 @@ from .parts import (
     release_memory,
     shape_updates,
 )
-from .planning import NO_LIMITS, ReadLimits, ReadPlan, plan_read
+from .planning import NO_LIMITS, PartTotals, ReadLimits, ReadPlan, plan_read
 from .state import Batch, PartRef, ShardState, Time
 from .tracing import traced
 
@@ -58,23 +58,13 @@ class ReaderTracker(Protocol):
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Snapshot(PartTotals):
     """The parts that make up the shard as of ``as_of``, read from state ``seqno``."""
 
     shard_id: str
     as_of: Time
     seqno: int
     parts: tuple[LeasedPart, ...]
-
-    @property
-    def size_bytes(self) -> int:
-        """Encoded bytes to fetch."""
-        return sum(p.part.size_bytes for p in self.parts)
-
-    @property
-    def rows(self) -> int:
-        """Updates stored in the parts (an upper bound on the rows a read yields)."""
-        return sum(p.part.rows for p in self.parts)
 
 
 @dataclass(frozen=True)
