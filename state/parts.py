@@ -563,12 +563,13 @@ def part_checksum(data: bytes | bytearray | memoryview) -> int:
     return int(_crc32(data))
 
 
-def fetch_part_bytes(blob: Blob, part: PartRef, shard_id: str) -> bytes:
-    """The stored bytes of a part; PartNotFound when Blob no longer has it."""
+def fetch_part_bytes(blob: Blob, part: PartRef, shard_id: str) -> memoryview:
+    """The stored bytes of a part, checked against its CRC; PartNotFound when Blob no longer
+    has it. A view (``Blob.get_view``): a file part is mapped, not copied."""
     if part.inline is not None:
-        return part.inline
+        return memoryview(part.inline)
     assert part.key is not None
-    data = blob.get(part.key)
+    data = blob.get_view(part.key)
     if data is None:
         raise PartNotFound(
             f"part {part.key!r} of shard {shard_id!r} is missing from blob {blob.uri}: it was "
@@ -583,7 +584,7 @@ def fetch_part_bytes(blob: Blob, part: PartRef, shard_id: str) -> bytes:
 
 
 def iter_part_batches(
-    data: bytes, part: PartRef, shard_id: str, batch_rows: int = 65536
+    data: bytes | memoryview, part: PartRef, shard_id: str, batch_rows: int = 65536
 ) -> Iterator[pa.RecordBatch]:
     """The stored updates of a part's bytes, batch by batch, whatever its format.
 
@@ -595,7 +596,8 @@ def iter_part_batches(
         if part.inline is not None or part.fmt == ARROW:
             yield from pa.ipc.open_stream(pa.py_buffer(data))
         elif part.fmt == PARQUET:
-            yield from pq.ParquetFile(pa.BufferReader(data)).iter_batches(batch_size=batch_rows)
+            parquet = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data)))
+            yield from parquet.iter_batches(batch_size=batch_rows)
         else:
             raise CorruptData(
                 f"part {part.key!r} of shard {shard_id!r} has format {part.fmt!r}, which this "

@@ -100,7 +100,7 @@ def iter_parts(
         return
     target = None if schema is None else data_schema(schema)
 
-    def shaped(data: bytes, leased: LeasedPart) -> Iterator[pa.Table]:
+    def shaped(data: memoryview, leased: LeasedPart) -> Iterator[pa.Table]:
         for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
             table = shape_updates(rb, leased, time_type)
             yield table if target is None else conform_columns(table, target)

@@ -176,7 +176,7 @@ def _store_method(name: str, fn: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
-BLOB_TRACED = ("get", "set", "delete")
+BLOB_TRACED = ("get", "get_view", "set", "delete")
 """Blob methods that open a span (every write, and reads, as persist traces S3 reads)."""
 CONSENSUS_TRACED = ("compare_and_set", "truncate")
 """Consensus methods that open a span (every write; reads would be too chatty)."""

@@ -203,6 +203,10 @@ class UnreliableBlob(_Unreliable, Blob):
         """The inner ``get``, possibly failing first."""
         return self._injector.call("blob", "get", key, lambda: self.inner.get(key))
 
+    def get_view(self, key: str) -> memoryview | None:
+        """The inner ``get_view``, possibly failing first (a fault of the ``get`` operation)."""
+        return self._injector.call("blob", "get", key, lambda: self.inner.get_view(key))
+
     def set(self, key: str, value: BlobValue) -> None:
         """The inner ``set``, possibly failing first or losing its reply."""
         self._injector.call("blob", "set", key, lambda: self.inner.set(key, value))

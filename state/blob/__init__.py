@@ -5,6 +5,9 @@ key is a fresh unique name; a rollup key is named after the SeqNo whose state
 it holds, and that state is deterministic), so the contract is small:
 
 - ``get`` returns the bytes or ``None`` when the key does not exist;
+  ``get_view`` the same as a read-only view, without a copy where the store
+  can (a file Blob maps the file: a part read then costs no copy into the
+  process, which was most of a Spark task's read time);
 - ``set`` stores the bytes atomically: a reader sees all of them or no key;
 - ``delete`` is idempotent and returns the size freed (``None`` when absent);
   ``delete_many`` deletes many keys, in batches where the store has a
@@ -75,6 +78,13 @@ class Blob(ABC):
     @abstractmethod
     def get(self, key: str) -> bytes | None:
         """Return the bytes stored under ``key``, or ``None`` if there is no such key."""
+
+    def get_view(self, key: str) -> memoryview | None:
+        """The value under ``key`` as a read-only view (``None`` if absent), for readers that
+        only scan it (parts). Backends that can avoid copying override it; this default
+        wraps :meth:`get`'s bytes."""
+        data = self.get(key)
+        return None if data is None else memoryview(data)
 
     @abstractmethod
     def set(self, key: str, value: BlobValue) -> None:

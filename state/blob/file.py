@@ -34,6 +34,7 @@ the same directory.
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import uuid
@@ -102,6 +103,26 @@ class FileBlob(Blob):
         except _ABSENT:
             return None
         except OSError as e:
+            raise StoreUnavailable(f"cannot read blob {path}: {e}") from e
+
+    def get_view(self, key: str) -> memoryview | None:
+        """The file mapped read-only: its pages are the page cache's, never copied.
+
+        Reading a 64 MiB part with ``read()`` cost ~7x the CPU of mapping it (a
+        fresh 64 MiB buffer faulted in page by page, then a copy), most of a Spark
+        read task's own time. Safe because a key's file is never modified in
+        place: a set replaces it by rename, and a delete (GC) unlinks it, which
+        leaves an existing mapping readable until its last view is dropped.
+        """
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return memoryview(b"")  # mmap refuses an empty file
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except _ABSENT:
+            return None
+        except (OSError, ValueError) as e:
             raise StoreUnavailable(f"cannot read blob {path}: {e}") from e
 
     def stat_many(self, keys: Iterable[str]) -> dict[str, BlobMeta]:

@@ -57,6 +57,23 @@ def test_set_get_roundtrip(blob: Blob, size: int) -> None:
     assert listed(blob) == {"k": size}
 
 
+@pytest.mark.parametrize("size", [0, 1, 5 * MIB], ids=["empty", "one-byte", "5MiB"])
+def test_get_view_reads_what_get_reads(blob: Blob, size: int) -> None:
+    """Parts are read through ``get_view`` (a file Blob maps the file): same bytes as ``get``,
+    ``None`` when absent, and a view taken before an overwrite or a delete (GC) keeps the
+    bytes it had: a part is never changed in place, so a reader mid-part is never torn."""
+    assert blob.get_view("k") is None
+    value = os.urandom(size)
+    blob.set("k", value)
+    view = blob.get_view("k")
+    assert view is not None and view.readonly
+    assert view.tobytes() == value
+    blob.set("k", b"replaced")
+    blob.delete("k")
+    assert view.tobytes() == value
+    assert blob.get_view("k") is None
+
+
 def test_overwrite(blob: Blob) -> None:
     blob.set("k", b"first")
     blob.set("k", b"second, longer")
