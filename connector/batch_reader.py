@@ -78,7 +78,11 @@ from pyspark_persist.state.planning import ReadLimits, plan_read
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.state.times import check_readable
-from pyspark_persist.stream_reader import PersistInputPartition, read_partition
+from pyspark_persist.stream_reader import (
+    PersistInputPartition,
+    freeze_worker_heap,
+    read_partition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +266,7 @@ class PersistBatchReader(DataSourceReader):
                 keeper.beat()  # a no-op until a third of the lease has passed
                 yield batch
             return
+        freeze_worker_heap()
         target = output_arrow_schema(self._schema)
         keeper = _LeaseKeeper(self._opts, partition.lease)
         keeper.beat()

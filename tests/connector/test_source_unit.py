@@ -522,3 +522,36 @@ def test_unknown_shard_is_a_clear_error() -> None:
     with pytest.raises(Exception, match=r"shard 'nope-\w+' does not exist"):
         LeaseHolder(opts)
     assert opts.shard not in env.client.list_shards()
+
+
+def test_a_worker_freezes_its_imports_once_and_still_collects_each_task_s_garbage() -> None:
+    """Spark's daemon runs gc.collect() after every task of a reused Python worker; a persist
+    read freezes what the worker held before its first read, so that collection no longer
+    walks every imported object, and cyclic garbage made later is still freed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import gc, weakref
+        from pyspark_persist.stream_reader import freeze_worker_heap
+        assert gc.get_freeze_count() == 0
+        freeze_worker_heap()
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000, frozen  # pyspark's, pyarrow's and persist's objects
+        class Node:
+            pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle made by a task, after the freeze
+        alive = weakref.ref(a)
+        del a, b
+        freeze_worker_heap()  # a second read of the same worker: nothing more is frozen
+        assert gc.get_freeze_count() == frozen
+        gc.collect()
+        assert alive() is None, "a task's cyclic garbage must still be collected"
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
