@@ -59,6 +59,9 @@ def test_bench_core_quick_json(tmp_path: Path) -> None:
         for name in ("p50_ms", "p95_ms", "p99_ms", "target_p50_ms"):
             assert _positive(r[name]), (r["location"], name, r[name])
         assert r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"]
+        assert _positive(r["cas_p50_ms"]), r  # the compare-and-set floor, measured beside
+    assert latency["mem/mem"]["driver_p50_ms"] is None  # no database behind mem://
+    assert _positive(latency["file/sqlite"]["driver_p50_ms"])  # sqlite3 alone
 
     listen = {(r["location"], r["listener"]) for r in report["listen"]}
     assert listen == {

@@ -6,6 +6,12 @@ machine-readable output). It measures, on this machine and in this run:
 - **Small-write latency**: ``shard.writer().append(one-row table)`` repeated,
   p50/p95/p99, on every location (``mem/mem``, ``file/sqlite``,
   ``file/postgres``, ``s3/postgres`` with S3 served by an in-process moto).
+  A one-row append is one compare-and-set, so beside it, in the same run, are
+  its floors: that compare-and-set alone through persist's Consensus (a row
+  of the append's size), and the same conditional ``INSERT`` sent through the
+  database's own driver (``sqlite3`` with persist's WAL + ``synchronous=FULL``
+  + ``BEGIN IMMEDIATE``; ``psycopg`` in autocommit), no persist and no
+  SQLAlchemy: no append can commit faster than the driver floor.
 - **Write-to-listen latency**: from just before an append to a listener
   receiving the event holding that row. The headline figure uses a listener
   in a *separate client with its own state cache*, so it learns of writes
@@ -61,7 +67,12 @@ import pyarrow.parquet as pq
 from pyspark_persist.state import Committed, PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
-from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.state.consensus import (
+    CaSCommitted,
+    Consensus,
+    VersionedData,
+    open_consensus,
+)
 
 MiB = 1 << 20
 
@@ -154,6 +165,10 @@ class LatencyResult:
     p99_ms: float
     target_p50_ms: float | None
     """The issue's target for p50 here, or None."""
+    cas_p50_ms: float | None = None
+    """p50 of the append's compare-and-set alone, through persist's Consensus."""
+    driver_p50_ms: float | None = None
+    """p50 of the same conditional INSERT through the database driver itself (None for mem)."""
 
     @property
     def meets_target(self) -> bool | None:
@@ -512,6 +527,10 @@ def measure_small_writes(
             t0 = time.perf_counter()
             writer.append(t)
             samples.append(time.perf_counter() - t0)
+        head = client.consensus.head(shard.machine.shard_id)
+        row_bytes = len(head.data) if head is not None else 512
+        cas = _cas_floor(client.consensus, writes, warmup, row_bytes)
+    driver = _driver_floor(uris[1], writes, warmup, row_bytes)
     return LatencyResult(
         location=location,
         writes=writes,
@@ -519,7 +538,84 @@ def measure_small_writes(
         p95_ms=_percentile_ms(samples, 95),
         p99_ms=_percentile_ms(samples, 99),
         target_p50_ms=SMALL_WRITE_TARGET_P50_MS.get(location),
+        cas_p50_ms=_percentile_ms(cas, 50),
+        driver_p50_ms=None if driver is None else _percentile_ms(driver, 50),
     )
+
+
+def _cas_floor(consensus: Consensus, writes: int, warmup: int, row_bytes: int) -> list[float]:
+    """Seconds of each of ``writes`` compare-and-sets of ``row_bytes`` on a fresh key."""
+    key = _shard_name("cas-floor")
+    data = os.urandom(row_bytes)
+    samples: list[float] = []
+    for seqno in range(1, warmup + writes + 1):
+        t0 = time.perf_counter()
+        res = consensus.compare_and_set(
+            key, None if seqno == 1 else seqno - 1, VersionedData(seqno, data)
+        )
+        if seqno > warmup:
+            samples.append(time.perf_counter() - t0)
+        assert isinstance(res, CaSCommitted), res
+    return samples
+
+
+_FLOOR_TABLE = "persist_bench_driver_floor"
+_FLOOR_INSERT = (
+    f"INSERT INTO {_FLOOR_TABLE} (shard, sequence_number, data) SELECT {{p}}, {{p}}, {{p}} "
+    f"WHERE (SELECT max(sequence_number) FROM {_FLOOR_TABLE} WHERE shard = {{p}}) = {{p}}"
+)
+"""persist's compare-and-set statement, written for the driver (``{p}`` its placeholder)."""
+
+
+def _driver_floor(
+    consensus_uri: str, writes: int, warmup: int, row_bytes: int
+) -> list[float] | None:
+    """Seconds of each conditional INSERT through the database driver alone, or None for mem."""
+    key, data = "floor", os.urandom(row_bytes)
+    create = (
+        f"CREATE TABLE {_FLOOR_TABLE} (shard TEXT NOT NULL, sequence_number BIGINT NOT NULL, "
+        "data {blob} NOT NULL, PRIMARY KEY (shard, sequence_number))"
+    )
+    samples: list[float] = []
+    if consensus_uri.startswith("sqlite:///"):
+        import sqlite3
+
+        path = consensus_uri.removeprefix("sqlite:///") + "-driver-floor"
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute(create.format(blob="BLOB"))
+            conn.execute(f"INSERT INTO {_FLOOR_TABLE} VALUES (?, 0, ?)", (key, data))
+            stmt = _FLOOR_INSERT.format(p="?")
+            for seqno in range(1, warmup + writes + 1):
+                t0 = time.perf_counter()
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute(stmt, (key, seqno, data, key, seqno - 1))
+                conn.execute("COMMIT")
+                if seqno > warmup:
+                    samples.append(time.perf_counter() - t0)
+        finally:
+            conn.close()
+        return samples
+    if consensus_uri.startswith("postgres"):
+        import psycopg
+
+        with psycopg.connect(consensus_uri, autocommit=True) as pg:
+            pg.execute(f"DROP TABLE IF EXISTS {_FLOOR_TABLE}")
+            pg.execute(create.format(blob="BYTEA"))
+            try:
+                pg.execute(f"INSERT INTO {_FLOOR_TABLE} VALUES (%s, 0, %s)", (key, data))
+                stmt = _FLOOR_INSERT.format(p="%s")
+                for seqno in range(1, warmup + writes + 1):
+                    t0 = time.perf_counter()
+                    pg.execute(stmt, (key, seqno, data, key, seqno - 1))
+                    if seqno > warmup:
+                        samples.append(time.perf_counter() - t0)
+            finally:
+                pg.execute(f"DROP TABLE {_FLOOR_TABLE}")
+        return samples
+    return None
 
 
 def measure_listen_latency(
@@ -960,17 +1056,28 @@ def format_report(report: CoreReport) -> str:
             f"Small-write latency: append(one-row table), {cfg.writes} writes after "
             f"{cfg.warmup} warm-up"
         )
-        out.append(f"  {'location':<14}{'p50':>10}{'p95':>10}{'p99':>10}   target p50")
+        out.append(
+            f"  {'location':<14}{'p50':>10}{'p95':>10}{'p99':>10}   {'target p50':<20}"
+            f"{'CaS alone':>10}{'driver':>10}"
+        )
         for r in report.latency:
             target = (
                 f"<= {r.target_p50_ms:g} ms {_verdict(r.meets_target)}"
                 if r.target_p50_ms is not None
                 else "-"
             )
+            floors = "".join(
+                f"{'-':>10}" if v is None else f"{v:>7.3f} ms"
+                for v in (r.cas_p50_ms, r.driver_p50_ms)
+            )
             out.append(
                 f"  {r.location:<14}{r.p50_ms:>7.3f} ms{r.p95_ms:>7.3f} ms{r.p99_ms:>7.3f} ms"
-                f"   {target}"
+                f"   {target:<20}{floors}"
             )
+        out.append(
+            "  (floors, p50 in the same run: the append's compare-and-set alone through "
+            "persist's Consensus, and the same conditional INSERT through the database driver)"
+        )
     if report.listen:
         out.append("")
         out.append(
