@@ -250,3 +250,33 @@ def test_arrow_parts_hold_batches_of_at_most_read_batch_rows(tmp_path: Path) -> 
     sizes = [b.num_rows for b in iter_part_batches(data, part, "big")]
     assert sum(sizes) == 4500 and max(sizes) <= 1000
     c.close()
+
+
+def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(tmp_path: Path) -> None:
+    """Rows of an open Arrow part reach the store as they are added (the builder holds less
+    than one read batch of them, not the part); the CRC-32 counted on the way is the stored
+    object's, and an abort mid-part leaves no key and no temp file."""
+    config = PersistConfig(read_batch_rows=1000, part_target_bytes=1 << 30, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    part_dir = tmp_path / "blob" / "streamed" / "part"
+
+    def streamed_bytes() -> int:
+        return sum(p.stat().st_size for p in part_dir.iterdir()) if part_dir.exists() else 0
+
+    builder = BatchBuilder(c.blob, "streamed", SCHEMA, c.config, part_format=ARROW)
+    builder.add(rows(2500))
+    assert streamed_bytes() > 0  # two 1,000-row batches written, nothing committed yet
+    assert not any(part_dir.glob("*.arrow"))
+    builder.add(rows(2500, 2500))
+    (part,) = builder.finish().parts
+    assert part.key is not None and part.rows == 5000
+    data = fetch_part_bytes(c.blob, part, "streamed")  # raises CorruptData on a CRC mismatch
+    assert part.size_bytes == len(data)
+    got = pa.Table.from_batches(list(iter_part_batches(data, part, "streamed")))
+    assert got.select(SCHEMA.names).equals(rows(5000))
+
+    aborted = BatchBuilder(c.blob, "streamed", SCHEMA, c.config, part_format=ARROW)
+    aborted.add(rows(2500))
+    aborted.abort()
+    assert sorted(p.name for p in part_dir.iterdir()) == [part.key.rsplit("/", 1)[-1]]
+    c.close()
