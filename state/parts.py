@@ -328,11 +328,11 @@ class PartStats:
             col = table.column(f.name)
             if col.null_count == len(col):
                 continue
-            if pa.types.is_floating(f.type) and pc.any(pc.is_nan(col)).as_py():
+            bounds = _column_bounds(col)
+            if bounds is None:
                 self._unusable.add(f.name)
                 continue
-            mm = pc.min_max(col)
-            lo, hi = mm["min"].as_py(), mm["max"].as_py()
+            lo, hi = bounds
             if isinstance(lo, str) and (len(lo) > MAX_STAT_STRING or len(hi) > MAX_STAT_STRING):
                 self._unusable.add(f.name)
                 continue
@@ -357,6 +357,86 @@ class PartStats:
             crc=crc,
             fmt=fmt,
         )
+
+
+def _column_bounds(col: pa.ChunkedArray | pa.Array) -> tuple[Any, Any] | None:
+    """The exact (min, max) of a column's non-null values; None when it holds a NaN.
+
+    A column of one null-free chunk (what the Arrow part encoder hands over)
+    takes a numpy path: floats in two SIMD passes that also reveal a NaN (numpy's
+    min propagates it), equal-width strings by :func:`_extreme_row`. In a sink
+    profile Arrow's ``min_max`` over a 32-byte string column compared row by row
+    and cost about as much as writing the part. Anything else goes to ``min_max``.
+    """
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    if len(chunks) == 1 and chunks[0].null_count == 0:
+        arr = chunks[0]
+        if pa.types.is_floating(arr.type):
+            values = arr.to_numpy(zero_copy_only=True)
+            lo = values.min()
+            return None if np.isnan(lo) else (float(lo), float(values.max()))
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            values = _equal_width(arr)
+            if values is not None:
+                return _extreme_row(values, largest=False), _extreme_row(values, largest=True)
+    if pa.types.is_floating(col.type) and pc.any(pc.is_nan(col)).as_py():
+        return None
+    mm = pc.min_max(col)
+    return mm["min"].as_py(), mm["max"].as_py()
+
+
+@dataclass(frozen=True)
+class _EqualWidth:
+    """A null-free string array whose values all take ``width`` bytes, row ``i`` at
+    ``data[first + i * width:]``."""
+
+    data: pa.Buffer
+    first: int
+    rows: int
+    width: int
+
+
+def _equal_width(arr: pa.Array) -> _EqualWidth | None:
+    """The layout of a null-free string array if every value has one width in bytes."""
+    n = len(arr)
+    offset_type = np.dtype(np.int64 if pa.types.is_large_string(arr.type) else np.int32)
+    _, offsets_buf, data = arr.buffers()
+    offsets = np.frombuffer(
+        offsets_buf, offset_type, count=n + 1, offset=arr.offset * offset_type.itemsize
+    )
+    first, width = int(offsets[0]), int(offsets[1] - offsets[0])
+    if int(offsets[-1]) - first != n * width or not (np.diff(offsets) == width).all():
+        return None
+    return _EqualWidth(data if data is not None else pa.py_buffer(b""), first, n, width)
+
+
+def _extreme_row(values: _EqualWidth, largest: bool) -> str:
+    """The smallest (or largest) value of an equal-width string array, in bytewise order.
+
+    Bytewise order of UTF-8 is code point order, Python's ``str`` order and
+    Arrow's. Values are compared 8 bytes at a time as big-endian integers read
+    in place (a strided view, no copy), each window narrowing the candidates
+    to those that tie so far: one pass over the first 8 bytes of every value,
+    then (for distinct prefixes) next to nothing.
+    """
+    n, width = values.rows, values.width
+    candidates = np.arange(n)
+    for start in range(0, width, 8):
+        at = values.first + start
+        if start + 8 <= width:
+            window = np.ndarray((n,), ">u8", values.data, at, (width,))
+            keys = window if len(candidates) == n else window[candidates]
+        else:  # the last, short window: the same bytes zero-padded in every value
+            tail = np.ndarray((n, width - start), np.uint8, values.data, at, (width, 1))
+            padded = np.zeros((len(candidates), 8), np.uint8)
+            padded[:, : width - start] = tail[candidates]
+            keys = padded.view(">u8").ravel()
+        best = keys.max() if largest else keys.min()
+        candidates = candidates[keys == best]
+        if len(candidates) == 1:
+            break
+    row = values.first + int(candidates[0]) * width
+    return memoryview(values.data)[row : row + width].tobytes().decode()
 
 
 def _has_stats(t: pa.DataType) -> bool:

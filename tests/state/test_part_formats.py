@@ -280,3 +280,42 @@ def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(tmp_path
     aborted.abort()
     assert sorted(p.name for p in part_dir.iterdir()) == [part.key.rsplit("/", 1)[-1]]
     c.close()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        ["%032x" % (i * 7919 % 1000) for i in range(1000)],  # hashes: distinct prefixes
+        [f"customer-{i:08d}" for i in range(500, 0, -1)],  # 17 bytes, long shared prefix
+        ["same"] * 20,
+        ["a\x00c", "a\x00b", "\x00zz", "éa", "aé"],  # NUL bytes; multi-byte widths differ
+        ["中a", "a中", "éé", "bbbb"],  # 4 bytes each, some multi-byte
+        ["", "", ""],
+        ["b", "ab", "abc", "x"],  # unequal widths
+    ],
+)
+@pytest.mark.parametrize("typ", [pa.string(), pa.large_string()])
+def test_string_ranges_equal_arrows_min_max(values: list[str], typ: pa.DataType) -> None:
+    """A part's string range is Arrow's (code point order) whatever the values' widths,
+    for whole and sliced arrays."""
+    schema = pa.schema([("s", typ)])
+    for table in (pa.table({"s": pa.array(values, typ)}), pa.table({"s": values[1:]}, schema)):
+        if table.num_rows == 0:
+            continue
+        ref = part_ref(conform_updates(table, schema, "s")[0], "k", None, 1, None, ARROW)
+        assert ref.stats is not None
+        assert ref.stats["s"] == (min(table.column("s").to_pylist()), max(table["s"].to_pylist()))
+
+
+def test_float_range_ignores_nulls_and_a_nan_anywhere_drops_it() -> None:
+    """Float ranges are exact (-0.0 and infinities included); a NaN in any batch drops the
+    column's range, nulls are ignored."""
+    schema = pa.schema([("f", pa.float64()), ("g", pa.float32())])
+    stats = PartStats()
+    for f, g in (
+        ([0.5, -0.0, float("inf")], [1.5, 2.5, -3.0]),
+        ([None, -7.25, 2.0], [0.25, float("nan"), 1.0]),
+    ):
+        stats.add(conform_updates(pa.table({"f": f, "g": g}, schema), schema, "s")[0])
+    ref = stats.ref("k", None, 1, None, ARROW)
+    assert ref.stats == {"f": (-7.25, float("inf"))}
