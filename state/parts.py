@@ -372,9 +372,14 @@ def _column_bounds(col: pa.ChunkedArray | pa.Array) -> tuple[Any, Any] | None:
     if len(chunks) == 1 and chunks[0].null_count == 0:
         arr = chunks[0]
         if pa.types.is_floating(arr.type):
-            values = arr.to_numpy(zero_copy_only=True)
-            lo = values.min()
-            return None if np.isnan(lo) else (float(lo), float(values.max()))
+            # A view of the values buffer: Array.to_numpy would import pandas (see
+            # constant_column), which a fresh Spark worker needs for nothing else.
+            width = arr.type.bit_width // 8
+            floats = np.frombuffer(
+                arr.buffers()[1], f"<f{width}", count=len(arr), offset=arr.offset * width
+            )
+            lo = floats.min()
+            return None if np.isnan(lo) else (float(lo), float(floats.max()))
         if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
             values = _equal_width(arr)
             if values is not None:
