@@ -197,7 +197,9 @@ def stage_rows(
     try:
         for rb in batches:
             if rb.num_rows:
-                builder.add(conform_columns(pa.Table.from_batches([rb]), target).cast(target))
+                table = conform_columns(pa.Table.from_batches([rb]), target)
+                # Spark's batches usually have the target schema already: no cast to run.
+                builder.add(table if table.schema.equals(target) else table.cast(target))
         staged = builder.finish()
     except BaseException:
         builder.abort()

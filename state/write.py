@@ -6,8 +6,9 @@ A write has two halves that may run in different processes:
    ``part_target_bytes`` and uploads them to Blob, at most
    ``max_outstanding_parts`` at a time, so memory stays within
    ``B * (2N + 1)`` whatever the data size. Parts are Parquet, or with
-   ``part_format="arrow"`` (the Spark sink) Arrow IPC streams encoded as the
-   updates arrive, so no part is ever held whole as a table. The result, a
+   ``part_format="arrow"`` (the Spark sink) Arrow IPC streams written to Blob
+   as the updates arrive (:meth:`~.blob.Blob.open_writer`), so no part is held
+   whole, as a table or as bytes, where the store takes a stream (a file). The result, a
    :class:`StagedBatch`, is a small JSON-able value: nothing is visible yet.
 2. *Commit*: :meth:`WriteHandle.compare_and_append_batches` makes any number
    of staged batches visible in one state change, iff the shard's upper is
@@ -33,7 +34,7 @@ from typing import Any
 import pyarrow as pa
 
 from . import commands
-from .blob import Blob
+from .blob import Blob, BlobWriter
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
 from .diff import decode
@@ -132,6 +133,8 @@ class BatchBuilder:
             )
         self._format = part_format
         self._encoder: ArrowPartEncoder | None = None
+        self._open: tuple[str, BlobWriter] | None = None
+        """The key and Blob writer of the Arrow part being streamed (``_encoder``'s)."""
         self._blob = blob
         self._shard_id = shard_id
         self._schema = schema
@@ -150,7 +153,8 @@ class BatchBuilder:
         self.queued_s = 0.0
         """Seconds ``add``/``finish`` waited for an upload slot (parts queued behind uploads)."""
         self.upload_s = 0.0
-        """Seconds spent encoding and uploading parts, summed over the upload threads."""
+        """Seconds spent encoding and uploading parts, summed over the threads doing it (an Arrow
+        part is encoded and written as updates are added, and committed on an upload thread)."""
 
     def add(self, updates: pa.Table | pa.RecordBatch) -> None:
         """Buffer updates; cut and upload a part whenever ``part_target_bytes`` are buffered.
@@ -192,11 +196,13 @@ class BatchBuilder:
                 self._flush()
 
     def _add_arrow(self, table: pa.Table) -> None:
-        """Encode updates into the open Arrow part; upload it once it holds the target bytes."""
+        """Stream updates into the open Arrow part; commit it once it holds the target bytes."""
         target = self._config.part_target_bytes
+        started = time.perf_counter()
         while table.num_rows:
             if self._encoder is None:
-                self._encoder = ArrowPartEncoder(table.schema, self._config.read_batch_rows)
+                self._open_arrow(table.schema)
+            assert self._encoder is not None
             room = target - self._encoder.nbytes
             if table.nbytes <= room:
                 self._encoder.write(table)
@@ -205,29 +211,54 @@ class BatchBuilder:
             self._encoder.write(table.slice(0, rows_fit))
             table = table.slice(rows_fit)
             self._submit_arrow()
+        self._add_upload_s(time.perf_counter() - started)
+
+    def _open_arrow(self, schema: pa.Schema) -> None:
+        key = new_part_key(self._shard_id, ARROW)
+        out = self._blob.open_writer(key)
+        try:
+            self._encoder = ArrowPartEncoder(schema, out, self._config.read_batch_rows)
+        except BaseException:
+            out.abort()
+            raise
+        self._open = (key, out)
 
     def _submit_arrow(self, last: bool = False) -> None:
+        """End the open Arrow part and commit it to Blob (on an upload thread unless ``last``)."""
         encoder, self._encoder = self._encoder, None
-        if encoder is not None and encoder.rows:
-            if last and self._pool is None:
-                # The only part (a small write): nothing to overlap its upload with, so no
-                # thread to start and join (on a busy machine that costs more than the upload).
-                self._done.append(self._upload_arrow(encoder))
-                return
-            self._wait_for_slot()
-            self._pending.append(self._executor().submit(self._upload_arrow, encoder))
+        if encoder is None or self._open is None:
+            return
+        (key, out), self._open = self._open, None
+        try:
+            size, crc = encoder.finish()
+        except BaseException:
+            out.abort()
+            raise
+        ref = encoder.stats.ref(key, None, size, crc, ARROW)
+        del encoder
+        if last and self._pool is None:
+            # The only part (a small write): nothing to overlap its commit with, so no
+            # thread to start and join (on a busy machine that costs more than the commit).
+            self._done.append(self._commit_arrow(out, ref))
+            return
+        self._wait_for_slot()
+        self._pending.append(self._executor().submit(self._commit_arrow, out, ref))
 
-    def _upload_arrow(self, encoder: ArrowPartEncoder) -> PartRef:
+    def _commit_arrow(self, out: BlobWriter, ref: PartRef) -> PartRef:
+        """Make a streamed part durable under its key (a file's fsync and rename, an upload)."""
         started = time.perf_counter()
-        data = encoder.finish()
-        key = new_part_key(self._shard_id, ARROW)
-        self._blob.set(key, data)
-        with self._timing_lock:
-            self.upload_s += time.perf_counter() - started
-        ref = encoder.stats.ref(key, None, len(data), part_checksum(data), ARROW)
-        del data, encoder
+        try:
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
+        self._add_upload_s(time.perf_counter() - started)
         release_memory()
         return ref
+
+    def _add_upload_s(self, seconds: float) -> None:
+        with self._timing_lock:
+            self.upload_s += seconds
 
     @traced("BatchBuilder.finish", "_shard_id")
     def finish(self) -> StagedBatch:
@@ -268,6 +299,9 @@ class BatchBuilder:
         self._done.clear()
         self._buffer.clear()
         self._encoder = None
+        if self._open is not None:
+            self._open[1].abort()
+            self._open = None
         self._shutdown()
 
     def _take_buffer(self) -> pa.Table:
@@ -303,8 +337,7 @@ class BatchBuilder:
         data = encode_parquet(table)
         key = new_part_key(self._shard_id)
         self._blob.set(key, data)
-        with self._timing_lock:
-            self.upload_s += time.perf_counter() - started
+        self._add_upload_s(time.perf_counter() - started)
         ref = part_ref(table, key, None, len(data), part_checksum(data))
         del data, table
         release_memory()

@@ -9,6 +9,8 @@ it holds, and that state is deterministic), so the contract is small:
   can (a file Blob maps the file: a part read then costs no copy into the
   process, which was most of a Spark task's read time);
 - ``set`` stores the bytes atomically: a reader sees all of them or no key;
+  ``open_writer`` does the same for a value written piece by piece (a part
+  streamed as it is encoded), visible whole at its ``commit`` or never;
 - ``delete`` is idempotent and returns the size freed (``None`` when absent);
   ``delete_many`` deletes many keys, in batches where the store has a
   batched delete (S3's ``delete_objects``), one by one otherwise;
@@ -62,6 +64,58 @@ class BlobMeta:
     store cannot tell. The orphan sweep measures a staged part's age from it."""
 
 
+class BlobWriter(ABC):
+    """A value written to one key piece by piece: nothing is visible before :meth:`commit`.
+
+    The streaming form of :meth:`Blob.set`, with the same guarantee (a reader
+    sees the whole value or no key). It lets a part be written as it is
+    encoded, so the writer never holds the encoded part whole. Use it from one
+    thread at a time; :meth:`commit` may run on another thread than the writes.
+    """
+
+    @abstractmethod
+    def write(self, data: BlobValue) -> int:
+        """Append ``data`` (which must not change afterwards: it may be kept until commit)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Store everything written under the key, atomically and durably."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was written; the key is left as it was. Idempotent."""
+
+
+class _SetOnCommit(BlobWriter):
+    """The default writer: keep the pieces, store them with one ``set`` at commit.
+
+    The pieces are kept by reference (an encoder's buffers are immutable), so
+    until commit they cost what the caller already holds; the commit joins them
+    into one value, as ``set`` takes. Stores whose ``set`` is a single upload
+    (S3, memory) use it; wrappers that inject faults into ``set`` thereby inject
+    them into streamed writes too.
+    """
+
+    def __init__(self, blob: Blob, key: str) -> None:
+        self._blob = blob
+        self._key = validate_key(key)
+        self._pieces: list[BlobValue] = []
+
+    def write(self, data: BlobValue) -> int:
+        """Keep a reference to ``data``."""
+        self._pieces.append(data)
+        return memoryview(data).nbytes
+
+    def commit(self) -> None:
+        """One ``set`` of the joined pieces."""
+        pieces, self._pieces = self._pieces, []
+        self._blob.set(self._key, b"".join(pieces))
+
+    def abort(self) -> None:
+        """Forget the pieces."""
+        self._pieces = []
+
+
 class Blob(ABC):
     """A durable store of write-once bytes under string keys. See the module doc."""
 
@@ -89,6 +143,14 @@ class Blob(ABC):
     @abstractmethod
     def set(self, key: str, value: BlobValue) -> None:
         """Store ``value`` under ``key`` atomically and durably (overwrites are allowed)."""
+
+    def open_writer(self, key: str) -> BlobWriter:
+        """A writer that stores a value under ``key`` piece by piece (see :class:`BlobWriter`).
+
+        This default keeps the pieces and calls :meth:`set` at commit; a store
+        that can take the bytes as they come (a local file) overrides it.
+        """
+        return _SetOnCommit(self, key)
 
     @abstractmethod
     def delete(self, key: str) -> int | None:

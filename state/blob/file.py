@@ -39,9 +39,11 @@ import os
 import stat
 import uuid
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
 
 from ..errors import InvalidUri, InvalidUsage, StoreUnavailable
-from . import Blob, BlobMeta, BlobValue, validate_key
+from . import Blob, BlobMeta, BlobValue, BlobWriter, validate_key
 
 _TMP_PREFIX = ".tmp~"
 
@@ -57,6 +59,71 @@ def _is_key_segment(name: str) -> bool:
     except InvalidUsage:
         return False
     return True
+
+
+@contextmanager
+def _store_errors(root: str, key: str, path: str) -> Iterator[None]:
+    """Turn the OS's errors writing ``key`` into persist's (a collision is the caller's)."""
+    try:
+        yield
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+        raise InvalidUsage(
+            f"blob key {key!r} collides with another key in {root}: a key cannot "
+            f"also be a prefix directory of other keys in a file:// blob ({e})"
+        ) from e
+    except OSError as e:
+        raise StoreUnavailable(f"cannot write blob {path}: {e}") from e
+
+
+class _FileWriter(BlobWriter):
+    """A temp file in the key's directory, renamed onto the key at commit (see the module doc)."""
+
+    def __init__(self, root: str, key: str, path: str) -> None:
+        self._root = root
+        self._key = key
+        self._path = path
+        directory = os.path.dirname(path)
+        self._tmp = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+        with _store_errors(root, key, path):
+            os.makedirs(directory, exist_ok=True)
+            self._file: BinaryIO | None = open(self._tmp, "xb")  # noqa: SIM115 - closed at commit
+
+    def write(self, data: BlobValue) -> int:
+        """Write ``data`` to the temp file (large pieces go straight to the OS, no copy)."""
+        if self._file is None:
+            raise InvalidUsage(f"blob writer of {self._key!r} was already committed or aborted")
+        try:
+            with _store_errors(self._root, self._key, self._path):
+                return self._file.write(data)
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self) -> None:
+        """Flush and fsync the temp file, then rename it onto the key."""
+        if self._file is None:
+            raise InvalidUsage(f"blob writer of {self._key!r} was already committed or aborted")
+        try:
+            with _store_errors(self._root, self._key, self._path):
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._file = None
+                os.replace(self._tmp, self._path)
+        except BaseException:
+            # Nothing was renamed, so the key is unchanged; do not leave litter.
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Close and remove the temp file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        try:
+            os.unlink(self._tmp)
+        except FileNotFoundError:
+            pass
 
 
 class FileBlob(Blob):
@@ -142,31 +209,17 @@ class FileBlob(Blob):
 
     def set(self, key: str, value: BlobValue) -> None:
         """Write a temp file, fsync it, rename it onto the key (see the module doc)."""
-        path = self._path(key)
-        directory = os.path.dirname(path)
-        tmp = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
-        try:
-            os.makedirs(directory, exist_ok=True)
-            try:
-                with open(tmp, "xb") as f:
-                    f.write(value)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                # Nothing was renamed, so the key is unchanged; do not leave litter.
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                raise
-        except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
-            raise InvalidUsage(
-                f"blob key {key!r} collides with another key in {self._root}: a key cannot "
-                f"also be a prefix directory of other keys in a file:// blob ({e})"
-            ) from e
-        except OSError as e:
-            raise StoreUnavailable(f"cannot write blob {path}: {e}") from e
+        writer = self.open_writer(key)
+        writer.write(value)
+        writer.commit()
+
+    def open_writer(self, key: str) -> BlobWriter:
+        """Stream into a temp file beside the key; commit fsyncs it and renames it onto the key.
+
+        The bytes go to the file as they are written (nothing is held in
+        memory), with ``set``'s guarantees: until the rename there is no key.
+        """
+        return _FileWriter(self._root, key, self._path(key))
 
     def delete(self, key: str) -> int | None:
         """Unlink the file; the size comes from a stat just before."""

@@ -153,6 +153,33 @@ def test_stat_many_names_existing_keys_with_size_and_store_time(blob: Blob) -> N
     assert blob.stat_many([]) == {}
 
 
+def test_streamed_value_is_invisible_until_commit_then_whole(blob: Blob) -> None:
+    """A value written piece by piece reads as no key until commit, then as every piece."""
+    pieces = [os.urandom(n) for n in (0, 1, 4096, 3 * MIB)]
+    writer = blob.open_writer("s/part/streamed")
+    for piece in pieces:
+        writer.write(memoryview(piece))
+        assert blob.get("s/part/streamed") is None
+    assert listed(blob) == {}
+    writer.commit()
+    assert blob.get("s/part/streamed") == b"".join(pieces)
+    assert listed(blob) == {"s/part/streamed": sum(len(p) for p in pieces)}
+
+
+def test_aborted_stream_leaves_no_key(blob: Blob) -> None:
+    """An aborted writer stores nothing (and leaves nothing listed); abort is idempotent."""
+    blob.set("s/part/kept", b"old")
+    writer = blob.open_writer("s/part/kept")
+    writer.write(b"new bytes that never land")
+    writer.abort()
+    writer.abort()
+    other = blob.open_writer("s/part/other")
+    other.write(b"x")
+    other.abort()
+    assert blob.get("s/part/kept") == b"old"
+    assert listed(blob) == {"s/part/kept": 3}
+
+
 def test_keys_with_slashes(blob: Blob) -> None:
     blob.set("a/b/c/d", b"deep")
     blob.set("a/e", b"shallow")
@@ -299,6 +326,27 @@ def test_file_temp_files_are_never_listed_and_failed_sets_leave_nothing(
         ".tmp~deadbeef",
         "part-1",
     ]
+
+
+def test_file_streamed_write_that_fails_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream whose fsync fails is unavailable, stores nothing, and cleans its temp file."""
+    blob = open_blob(f"file://{tmp_path}/blob")
+    writer = blob.open_writer("shard/part-1")
+    writer.write(b"half a part")
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(StoreUnavailable, match="Input/output error"):
+        writer.commit()
+    monkeypatch.undo()
+    assert blob.get("shard/part-1") is None
+    assert list((tmp_path / "blob" / "shard").iterdir()) == []
+    with pytest.raises(InvalidUsage, match="already committed or aborted"):
+        writer.write(b"more")
 
 
 def test_file_key_that_is_also_a_directory_is_invalid_usage(tmp_path: Path) -> None:
