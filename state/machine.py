@@ -141,7 +141,7 @@ class Machine:
         metrics: Metrics,
         publisher: DiffPublisher,
         clock_ms: Callable[[], int],
-        on_commit: Callable[[Machine, ShardState], None] | None = None,
+        on_commit: Callable[[Machine, ShardState, ShardState], None] | None = None,
     ) -> None:
         self.shard_id = shard_id
         self.blob = blob
@@ -265,7 +265,7 @@ class Machine:
                     self.publisher.push(self.shard_id, row)
                     self._maybe_rollup(new_state)
                     if self.on_commit is not None:
-                        self.on_commit(self, new_state)
+                        self.on_commit(self, new_state, state)
                     return outcome.result
                 self.metrics.incr(Count.CAS_MISMATCHES)
                 mismatches += 1

@@ -435,18 +435,34 @@ BACKGROUND_COMPACTION_ROUNDS = 8
 
 
 def requests_after_commit(
-    state: ShardState, config: PersistConfig
+    state: ShardState, config: PersistConfig, previous: ShardState | None = None
 ) -> tuple[MaintenanceRequest, ...]:
-    """The maintenance a commit that produced ``state`` calls for. Pure and cheap: it runs
-    after every commit (persist's "routine maintenance" returned from a command)."""
+    """The maintenance a commit that produced ``state`` (from ``previous``, when known) calls
+    for. Pure and cheap: it runs after every commit (persist's "routine maintenance" returned
+    from a command).
+
+    Compaction is asked for only by a commit that can make a merge due: one that changed
+    the batches, or the since of a shard with retention (see :func:`compaction_request`).
+    A reader's heartbeat or since downgrade changes neither, so a merge still due after it
+    is the one the commit that made it due asked for, which that process is running (or
+    its next commit retries): asking again would race it with a second compaction of the
+    same batches, rewriting them twice for one to win the compare-and-set.
+    """
     if not config.maintenance:
         return ()
     requests: list[MaintenanceRequest] = []
-    if compaction_request(state, config) is not None:
+    if _may_make_a_merge_due(state, previous) and compaction_request(state, config) is not None:
         requests.append(CompactRequest(max_rounds=BACKGROUND_COMPACTION_ROUNDS))
     if state.seqno_since - state.last_gc_seqno >= config.gc_interval:
         requests.append(GcRequest())
     return tuple(requests)
+
+
+def _may_make_a_merge_due(state: ShardState, previous: ShardState | None) -> bool:
+    """Whether the commit from ``previous`` to ``state`` may have made a merge due."""
+    if previous is None or state.batches is not previous.batches:
+        return True  # (a diff that leaves the batches alone keeps the very same mapping)
+    return state.retention_ms > 0 and state.since != previous.since
 
 
 def run_compaction(machine: Machine, request: CompactRequest) -> list[CompactionReport]:
@@ -522,9 +538,12 @@ class Maintenance:
         self._idle = threading.Condition(self._lock)
         self._sweeps: dict[str, int] = {}
 
-    def after_commit(self, machine: Machine, state: ShardState) -> None:
-        """Queue the requests :func:`requests_after_commit` returns for ``state``."""
-        for request in requests_after_commit(state, self._config):
+    def after_commit(
+        self, machine: Machine, state: ShardState, previous: ShardState | None = None
+    ) -> None:
+        """Queue the requests :func:`requests_after_commit` returns for the commit from
+        ``previous`` to ``state``."""
+        for request in requests_after_commit(state, self._config, previous):
             self._submit(machine, request)
 
     def backpressure(self, machine: Machine) -> None:

@@ -77,6 +77,10 @@ class ListenEvent:
     parts: tuple[LeasedPart, ...]
 
 
+PREFETCH_MIN_BYTES = 1 << 20
+"""Parts of fewer bytes than this in all are fetched one after another (see iter_parts)."""
+
+
 def iter_parts(
     blob: Blob,
     parts: Sequence[LeasedPart],
@@ -94,7 +98,8 @@ def iter_parts(
     :func:`~pyspark_persist.state.parts.shape_updates`).
 
     Holds the bytes of at most two parts plus one decoded slice: about
-    ``3 * part_target_bytes`` whatever the number of parts.
+    ``3 * part_target_bytes`` whatever the number of parts. Parts under
+    :data:`PREFETCH_MIN_BYTES` in all are fetched in the caller's thread.
     """
     if not parts:
         return
@@ -105,11 +110,12 @@ def iter_parts(
             table = shape_updates(rb, leased, time_type)
             yield table if target is None else conform_columns(table, target)
 
-    if len(parts) == 1:
-        # Nothing to fetch meanwhile (a streaming micro-batch's part, say): no thread to
-        # start and join, which on a busy machine costs more than reading a small part.
-        (leased,) = parts
-        yield from shaped(fetch_part_bytes(blob, leased.part, leased.shard_id), leased)
+    if len(parts) == 1 or sum(p.part.size_bytes for p in parts) <= PREFETCH_MIN_BYTES:
+        # Nothing worth fetching meanwhile (a streaming micro-batch's few small parts, say):
+        # decoding a small part takes too little time to hide a fetch behind, while a thread
+        # to start and join costs more than reading it on a busy machine.
+        for leased in parts:
+            yield from shaped(fetch_part_bytes(blob, leased.part, leased.shard_id), leased)
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist-fetch") as pool:
         fut = pool.submit(fetch_part_bytes, blob, parts[0].part, parts[0].shard_id)

@@ -26,6 +26,7 @@ What is checked:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import multiprocessing
 import random
@@ -438,6 +439,34 @@ def test_compaction_consolidates_once_since_passes(
             assert as_counter(reader.snapshot_table(as_of)) == reference(acks, as_of)
     finally:
         client.close()
+
+
+def test_a_readers_commits_leave_compaction_to_the_writer(loc: tuple[str, str]) -> None:
+    """A reader's heartbeats and since downgrades never start a compaction in its process:
+    only the commit that made a merge due asks for it (a second compaction of the same
+    batches elsewhere would rewrite them for nothing: one loses the compare-and-set)."""
+    cfg = PersistConfig(compaction_fan_in=2, inline_write_max_bytes=1)
+    writing = open_client(loc, dataclasses.replace(cfg, maintenance=False))
+    reading = open_client(loc, cfg)
+    try:
+        writer = writing.open_shard("holds", SCHEMA).writer()
+        for t in range(2):
+            writer.compare_and_append(updates([t], [1], t), t, t + 1)
+        shard = reading.open_shard("holds", create=False)
+        assert compaction_request(shard.state(), cfg) is not None  # a merge is due
+        reader = shard.reader()
+        reader.heartbeat()
+        reader.downgrade_since(1)
+        assert reading.maintenance.wait_idle()
+        assert len(shard.machine.fetch_latest().trace) == 2  # the reader merged nothing
+        # A commit through the reading client (a writer there) does compact.
+        shard.writer().compare_and_append(updates([2], [1], 2), 2, 3)
+        assert reading.maintenance.wait_idle()
+        assert len(shard.machine.fetch_latest().trace) < 3
+        reader.close()
+    finally:
+        reading.close()
+        writing.close()
 
 
 # --- a compaction that loses its race ---------------------------------------------------------

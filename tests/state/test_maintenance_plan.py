@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from types import MappingProxyType
 
 import pyarrow as pa
@@ -150,6 +151,24 @@ def _state(
         last_gc_seqno=last_gc_seqno,
         batches=MappingProxyType({b.key: b for b in batches}),
         leased_readers=MappingProxyType(readers),
+    )
+
+
+def test_only_a_commit_that_can_make_a_merge_due_asks_for_compaction() -> None:
+    """A commit that left the batches alone (a reader's heartbeat or since downgrade) asks
+    for no compaction, unless it moved the since of a shard with retention (which can
+    expire a run of batches); one that changed the batches does."""
+    config = PersistConfig(compaction_fan_in=2, gc_interval=32)
+    before = _state([1, 1], 1, 0, None)
+    held = replace(before, seqno=2, since=1)  # the same batches mapping, as apply keeps it
+    assert requests_after_commit(held, config, before) == ()
+    appended = replace(held, seqno=3, batches=MappingProxyType(dict(held.batches)))
+    assert requests_after_commit(appended, config, held) == (
+        CompactRequest(BACKGROUND_COMPACTION_ROUNDS),
+    )
+    retained = replace(before, retention_ms=1000)
+    assert requests_after_commit(replace(retained, seqno=2, since=1), config, retained) == (
+        CompactRequest(BACKGROUND_COMPACTION_ROUNDS),
     )
 
 

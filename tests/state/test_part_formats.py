@@ -127,6 +127,44 @@ def test_parquet_and_arrow_parts_read_together(client: Any) -> None:
     assert sorted(Counter(table.column(TIME).to_pylist()).items()) == [(0, 1500), (1, 1500)]
 
 
+def test_small_parts_are_fetched_without_a_prefetch_thread(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streaming micro-batch's few small parts are read in the caller's thread (a thread
+    started and joined per read task cost more than the read); big ones are prefetched."""
+    from pyspark_persist.state import read
+
+    shard = client.open_shard("prefetch", SCHEMA)
+    writer = shard.writer()
+    for t in range(3):
+        writer.compare_and_append_batches(
+            [stage(client, shard, [rows(200, t * 200)], ARROW)], t, t + 1, ts_rewrite=t
+        )
+    state = shard.state()
+    leased = [
+        LeasedPart(state.shard_id, client.blob.uri, p, 0, 3, None, state.seqno)
+        for b in state.trace
+        for p in b.parts
+    ]
+    assert len(leased) == 3 and sum(lp.part.size_bytes for lp in leased) < read.PREFETCH_MIN_BYTES
+    pools: list[object] = []
+
+    class CountedPool(read.ThreadPoolExecutor):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pools.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(read, "ThreadPoolExecutor", CountedPool)
+    expected = sorted(rows(600).column("id").to_pylist())
+    small = pa.concat_tables(iter_parts(client.blob, leased))
+    assert sorted(small.column("id").to_pylist()) == expected
+    assert pools == []
+    monkeypatch.setattr(read, "PREFETCH_MIN_BYTES", 0)  # the same parts as if they were big
+    big = pa.concat_tables(iter_parts(client.blob, leased))
+    assert sorted(big.column("id").to_pylist()) == expected
+    assert len(pools) == 1
+
+
 def test_compaction_rewrites_arrow_parts_as_parquet(client: Any) -> None:
     """Compaction turns the sink's Arrow parts into Parquet ones; the contents stay the same."""
     shard = client.open_shard("compact", SCHEMA)
