@@ -287,8 +287,11 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
 def _sweep_orphans(
     machine: Machine, live: set[str], oldest_rollup: int, rollups: set[int], now_ms: int
 ) -> int:
-    """Delete parts no live state references once past the grace period, and stray rollups."""
-    return machine.blob.delete_many(_orphans(machine, live, oldest_rollup, rollups, now_ms))
+    """Delete parts no live state references once past the grace period, stray rollups, and
+    what part writers that never committed left in Blob (a crashed executor's temp file)."""
+    deleted = machine.blob.delete_many(_orphans(machine, live, oldest_rollup, rollups, now_ms))
+    grace_ms = int(machine.config.staged_part_grace_s * 1000)
+    return deleted + machine.blob.delete_abandoned(f"{machine.shard_id}/part/", grace_ms)
 
 
 def _orphans(

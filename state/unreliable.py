@@ -228,6 +228,10 @@ class UnreliableBlob(_Unreliable, Blob):
             "blob", "list_keys", repr(prefix), lambda: iter(list(self.inner.list_keys(prefix)))
         )
 
+    def delete_abandoned(self, prefix: str, older_than_ms: int) -> int:
+        """The inner ``delete_abandoned`` (never faulted: it only ever removes garbage)."""
+        return self.inner.delete_abandoned(prefix, older_than_ms)
+
     def close(self) -> None:
         """Close the inner Blob (never faulted)."""
         self.inner.close()

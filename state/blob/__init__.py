@@ -185,6 +185,18 @@ class Blob(ABC):
                 out[key] = BlobMeta(key, len(data))
         return out
 
+    def delete_abandoned(self, prefix: str, older_than_ms: int) -> int:
+        """Delete what writers that never committed left under ``prefix`` (never a key).
+
+        A :class:`BlobWriter` of a process that died holds unlisted bytes in
+        some stores (a local file's temp file), which no key names and so no
+        key-based sweep finds. The orphan sweep calls this for every shard's
+        parts; only what no writer touched for ``older_than_ms`` goes. Returns
+        how many such objects were deleted; stores that leave nothing (the
+        default) return 0.
+        """
+        return 0
+
     @abstractmethod
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Yield every key that starts with ``prefix``, with its size (order unspecified)."""

@@ -22,8 +22,10 @@ should use an object store (``s3://``).
 Temporary files are named ``.tmp~<uuid>``; ``~`` is outside the key alphabet,
 so no key can collide with one. :meth:`FileBlob.list_keys` skips every file or
 directory whose name is not a valid key segment, temp files included. A
-process crash mid-set can leave one behind; it is never listed (so never
-garbage-collected by persist) and is safe to delete by hand.
+process crash mid-set (or mid-stream: a part is streamed into its temp file
+while it is encoded, see :meth:`FileBlob.open_writer`) can leave one behind; it
+is never listed, and the orphan sweep deletes it once no writer has touched it
+for the staged-part grace period (:meth:`FileBlob.delete_abandoned`).
 
 Because keys are files and directories, a key cannot also be a "directory" of
 other keys (``a`` and ``a/b`` cannot coexist, unlike in S3); such a set raises
@@ -37,6 +39,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -234,6 +237,35 @@ class FileBlob(Blob):
         except OSError as e:
             raise StoreUnavailable(f"cannot delete blob {path}: {e}") from e
         return st.st_size
+
+    def delete_abandoned(self, prefix: str, older_than_ms: int) -> int:
+        """Delete temp files in ``prefix``'s directory not written for ``older_than_ms``.
+
+        A live writer's temp file is modified with every write; one a crashed
+        process left (a part streamed when its executor died) stays put. A
+        writer idle for longer loses its temp file, so its commit fails and
+        stores nothing (its part was never referenced).
+        """
+        head = prefix.rpartition("/")[0]
+        directory = os.path.join(self._root, *validate_key(head).split("/")) if head else self._root
+        limit_ns = time.time_ns() - older_than_ms * 1_000_000
+        deleted = 0
+        try:
+            entries = [e for e in os.scandir(directory) if e.name.startswith(_TMP_PREFIX)]
+        except _ABSENT:
+            return 0
+        except OSError as e:
+            raise StoreUnavailable(f"cannot list blob directory {directory}: {e}") from e
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime_ns <= limit_ns:
+                    os.unlink(entry.path)
+                    deleted += 1
+            except FileNotFoundError:
+                continue  # committed (renamed) or deleted meanwhile
+            except OSError as e:
+                raise StoreUnavailable(f"cannot delete blob temp file {entry.path}: {e}") from e
+        return deleted
 
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Walk only the subtree that can hold keys with ``prefix``; skip non-key names."""

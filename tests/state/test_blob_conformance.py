@@ -349,6 +349,31 @@ def test_file_streamed_write_that_fails_leaves_no_temp_file(
         writer.write(b"more")
 
 
+def test_file_abandoned_stream_is_deleted_once_untouched_for_the_limit(tmp_path: Path) -> None:
+    """The temp file of a writer that died mid-stream goes once untouched for the limit; a
+    live writer's, other directories' temp files and every key stay."""
+    blob = open_blob(f"file://{tmp_path}/blob")
+    blob.set("s/part/kept", b"committed")
+    dead = blob.open_writer("s/part/dead")
+    dead.write(b"half a part")  # its process "dies": never committed nor aborted
+    part_dir = tmp_path / "blob" / "s" / "part"
+    (stale,) = [p for p in part_dir.iterdir() if p.name.startswith(".tmp~")]
+    os.utime(stale, (time.time() - 120, time.time() - 120))
+    live = blob.open_writer("s/part/live")
+    live.write(b"being written")
+    blob.set("other/part/x", b"1")
+    other = tmp_path / "blob" / "other" / "part" / ".tmp~old"
+    other.write_bytes(b"another shard's")
+    os.utime(other, (time.time() - 120, time.time() - 120))
+
+    assert blob.delete_abandoned("s/part/", older_than_ms=60_000) == 1
+    assert not stale.exists() and other.exists()
+    assert blob.delete_abandoned("s/part/", older_than_ms=60_000) == 0
+    assert blob.delete_abandoned("missing/part/", older_than_ms=0) == 0
+    live.commit()
+    assert listed(blob) == {"s/part/kept": 9, "s/part/live": 13, "other/part/x": 1}
+
+
 def test_file_key_that_is_also_a_directory_is_invalid_usage(tmp_path: Path) -> None:
     blob = open_blob(f"file://{tmp_path}/blob")
     blob.set("a/b", b"1")

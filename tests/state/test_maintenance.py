@@ -47,8 +47,9 @@ from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import LeaseExpired
 from pyspark_persist.state.maintenance import compact, compaction_request
-from pyspark_persist.state.parts import DIFF, TIME
+from pyspark_persist.state.parts import ARROW, DIFF, TIME
 from pyspark_persist.state.state import ShardState
+from pyspark_persist.state.write import BatchBuilder
 
 SCHEMA = pa.schema([("k", pa.int64())])
 Ref = collections.Counter[int]
@@ -405,6 +406,31 @@ def test_gc_sweeps_staged_parts_after_grace(loc: tuple[str, str]) -> None:
         assert not staged & keys, "staged part older than the grace survived the sweep"
         assert committed <= keys, "the sweep deleted a committed part"
         assert report.orphans_deleted >= len(staged)
+        assert as_counter(shard.reader().snapshot_table()) == {1: 1, 2: 1}
+    finally:
+        client.close()
+
+
+def test_gc_sweeps_a_crashed_writers_half_streamed_part(tmp_path: Path) -> None:
+    """A part whose writer died while streaming it (no commit, no abort) leaves no key; the
+    orphan sweep deletes what it left in Blob once the grace period has passed."""
+    cfg = PersistConfig(staged_part_grace_s=GRACE_S, inline_write_max_bytes=1, maintenance=False)
+    client = open_client(make_location("file-sqlite", tmp_path), cfg)
+    try:
+        shard = client.open_shard("crashed", SCHEMA)
+        shard.writer().compare_and_append(updates([1, 2], [1, 1], 0), 0, 1)
+        part_dir = tmp_path / "blob" / "crashed" / "part"
+        before = set(part_dir.iterdir())
+        crashed = BatchBuilder(client.blob, "crashed", SCHEMA, cfg, part_format=ARROW)
+        crashed.add(updates(list(range(100_000)), [1] * 100_000, 5))  # streams, never finishes
+        left = set(part_dir.iterdir()) - before
+        assert left and all(p.name.startswith(".tmp~") for p in left)
+        shard.gc()
+        assert left <= set(part_dir.iterdir()), "swept a stream inside its grace"
+        time.sleep(GRACE_S + 0.2)
+        report = shard.gc()
+        assert not left & set(part_dir.iterdir())
+        assert report.orphans_deleted >= len(left)
         assert as_counter(shard.reader().snapshot_table()) == {1: 1, 2: 1}
     finally:
         client.close()
