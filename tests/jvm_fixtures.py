@@ -7,7 +7,7 @@ with ``-XX:ArchiveClassesAtExit``, which dumps the classes it loaded into an
 archive; the tests' other jobs (the kill tests' restarts, the examples) map
 that archive with ``-XX:SharedArchiveFile`` instead of loading those classes
 again. The archive only changes how classes are loaded: a JVM that cannot use
-it (another JDK, another class path) runs as without it.
+it (another JDK, another class path) warns and runs as without it.
 """
 
 from __future__ import annotations
