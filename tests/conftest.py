@@ -13,5 +13,6 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 from blob_fixtures import blob, blob_uri, moto_server  # noqa: E402, F401
 from consensus_fixtures import consensus, consensus_uri, postgres_url  # noqa: E402, F401
+from jvm_fixtures import spark_submit_java_options  # noqa: E402, F401
 from shard_fixtures import client, location, shard_name  # noqa: E402, F401
 from spark_fixtures import spark  # noqa: E402, F401

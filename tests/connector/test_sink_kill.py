@@ -25,8 +25,8 @@ import time
 import uuid
 from pathlib import Path
 
-import pyspark
 import pytest
+from jvm_fixtures import spark_submit
 
 from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.writer import read_sink_metrics
@@ -43,29 +43,30 @@ KILL_PLAN = (("stage", 2 * SLEEP_S), ("precommit", SLEEP_S), ("postcommit", SLEE
 """(phase marker to wait for, upper bound of the random delay after it before SIGKILL)."""
 
 
-def spark_submit() -> str:
-    """``$SPARK_HOME/bin/spark-submit``, else the one shipped inside the pyspark package."""
-    home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
-    return os.path.join(home, "bin", "spark-submit")
-
-
 def _start(
-    input_dir: Path, checkpoint: Path, shard: str, markers: Path, log: Path
+    input_dir: Path,
+    checkpoint: Path,
+    shard: str,
+    markers: Path,
+    log: Path,
+    java_options: str,
+    sleep_s: float = SLEEP_S,
 ) -> subprocess.Popen[bytes]:
+    """Start the child job with the driver JVM's ``java_options``; ``sleep_s`` is its hooks'
+    sleep (0 for a run nobody kills)."""
     env = dict(
         os.environ,
         PYSPARK_PYTHON=sys.executable,
         PYSPARK_DRIVER_PYTHON=sys.executable,
         SINK_TEST_MARKERS=str(markers),
-        SINK_TEST_SLEEP_S=str(SLEEP_S),
+        SINK_TEST_SLEEP_S=str(sleep_s),
     )
     cmd = [
         spark_submit(),
         "--master",
         "local[2]",
-        # A quick-starting JVM: these jobs are short, JIT and GC threads only compete for CPU.
         "--driver-java-options",
-        "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        java_options,
         "--conf",
         "spark.ui.enabled=false",
         "--conf",
@@ -114,7 +115,9 @@ def _tail(log: Path) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log.exists() else ""
 
 
-def test_sigkill_at_random_points_then_restart_exactly_once(tmp_path: Path) -> None:
+def test_sigkill_at_random_points_then_restart_exactly_once(
+    tmp_path: Path, spark_submit_java_options: str
+) -> None:
     """Kills during staging, before and after the commit lose nothing and duplicate nothing.
 
     Protects: exactly-once across driver crashes (the writer id is the query id
@@ -136,12 +139,15 @@ def test_sigkill_at_random_points_then_restart_exactly_once(tmp_path: Path) -> N
     kills: list[tuple[str, str]] = []
     for phase, max_delay in KILL_PLAN:
         seen = len(_markers(markers))
-        proc = _start(input_dir, checkpoint, shard, markers, log)
+        proc = _start(input_dir, checkpoint, shard, markers, log, spark_submit_java_options)
         hit = _kill_at(proc, markers, seen, phase, rng.uniform(0, max_delay), log)
         assert hit is not None, f"the job finished before a kill at {phase}; log:\n{_tail(log)}"
         kills.append(hit)
 
-    proc = _start(input_dir, checkpoint, shard, markers, log)
+    # The last run is never killed: its hooks need no kill window, so they do not sleep.
+    proc = _start(
+        input_dir, checkpoint, shard, markers, log, spark_submit_java_options, sleep_s=0.0
+    )
     try:
         assert proc.wait(RUN_TIMEOUT_S) == 0, _tail(log)
     finally:

@@ -36,7 +36,7 @@ records it, so the restart replays that cut."""
 
 
 def test_sigkill_mid_snapshot_then_restart_exactly_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spark_submit_java_options: str
 ) -> None:
     """Kills inside the cut snapshot's micro-batches lose nothing and duplicate nothing."""
     import os
@@ -59,11 +59,27 @@ def test_sigkill_mid_snapshot_then_restart_exactly_once(
     kills = []
     for phase, max_delay in KILL_PLAN:
         seen = len(_markers(markers))
-        proc = _start(f"persist:{source}", checkpoint, out, markers, log)  # type: ignore[arg-type]
+        proc = _start(
+            f"persist:{source}",  # type: ignore[arg-type]
+            checkpoint,
+            out,
+            markers,
+            log,
+            spark_submit_java_options,
+        )
         hit = _kill_at(proc, markers, seen, phase, rng.uniform(0, max_delay), log)
         assert hit is not None, f"the job finished before a kill at {phase}; log:\n{_tail(log)}"
         kills.append(hit)
-    proc = _start(f"persist:{source}", checkpoint, out, markers, log)  # type: ignore[arg-type]
+    # Never killed: no kill windows, so the hooks do not sleep.
+    proc = _start(
+        f"persist:{source}",  # type: ignore[arg-type]
+        checkpoint,
+        out,
+        markers,
+        log,
+        spark_submit_java_options,
+        sleep_s=0.0,
+    )
     try:
         assert proc.wait(RUN_TIMEOUT_S) == 0, _tail(log)
     finally:

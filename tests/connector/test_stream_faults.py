@@ -210,6 +210,10 @@ def pubsub_server_cmd() -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
         proc.wait(timeout=10)
 
 
+WINDOW_ROWS = 20
+"""Rows (one second of the writer's) every reader must see committed in a lag window."""
+
+
 def test_streams_ride_out_a_dead_pubsub_server_as_fresh_as_polling(
     spark: SparkSession,
     postgres_url: str,
@@ -243,15 +247,28 @@ def test_streams_ride_out_a_dead_pubsub_server_as_fresh_as_polling(
         lambda: all(len(t.values()) >= 20 for t in tails.values()), "every reader", queries, 180
     )
 
+    def every_reader_saw_rows_since(since: float) -> bool:
+        """Each reader has seen WINDOW_ROWS rows committed at ``since`` or later."""
+        return all(len(t.lags(since, float("inf"))) >= WINDOW_ROWS for t in tails.values())
+
+    # The healthy and restarted windows only need rows to measure: each ends as soon as every
+    # reader has seen enough of them. The dead window has a fixed length, see below.
     healthy_from = time.time()
-    time.sleep(8.0)
+    wait_for(lambda: every_reader_saw_rows_since(healthy_from), "healthy-window rows", queries, 120)
     server.send_signal(signal.SIGKILL)
     server.wait(timeout=10)
     killed_at = time.time()
-    time.sleep(15.0)  # the server stays dead: readers must keep up by polling
+    # The server stays dead for three of the readers' pushed-poll periods (5 s): a reader
+    # that kept polling at that cadence would show lags of seconds in this window.
+    time.sleep(15.0)
     restarted_at = time.time()
     pubsub_server_cmd()
-    time.sleep(8.0)
+    wait_for(
+        lambda: every_reader_saw_rows_since(restarted_at + 2.0),
+        "restarted-window rows",
+        queries,
+        120,
+    )
     ended_at = time.time()
 
     def median_lag(name: str, since: float, until: float) -> float:

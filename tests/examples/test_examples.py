@@ -5,7 +5,9 @@ examples/NAME.py ...``; the Spark-free quickstart with ``python``) on small
 sizes, with ``$PERSIST_HOME`` pointing at a fresh directory, and its
 printed verdict is checked. The Spark jobs run one after another (each
 starts a JVM), in the order the README tells them: the rate job writes the
-shard that the tail and the batch export then read.
+shard that the tail and the batch export then read. Their driver JVMs get the
+test run's quick-start options (``jvm_fixtures``): how the JVM loads classes,
+nothing an example sees.
 """
 
 from __future__ import annotations
@@ -76,8 +78,16 @@ def run(home: Path, argv: list[str], timeout: float = 150) -> subprocess.Complet
     return proc
 
 
-def spark_job(home: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return run(home, [*_spark_submit(), str(EXAMPLES / script), *args])
+@pytest.fixture(scope="module")
+def submit(spark_submit_java_options: str) -> list[str]:
+    """``spark-submit`` and its options, with the test run's quick driver JVM (shared classes)."""
+    return [*_spark_submit(), "--driver-java-options", spark_submit_java_options]
+
+
+def spark_job(
+    submit: list[str], home: Path, script: str, *args: str
+) -> subprocess.CompletedProcess[str]:
+    return run(home, [*submit, str(EXAMPLES / script), *args])
 
 
 def test_stream_quickstart(home: Path) -> None:
@@ -97,10 +107,18 @@ def test_stream_quickstart(home: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def rates(home: Path) -> int:
-    """Run rate_to_persist for 6 seconds into shard ``rates``; the rows it wrote."""
+def rates(submit: list[str], home: Path) -> int:
+    """Run rate_to_persist for 3 seconds into shard ``rates``; the rows it wrote."""
     proc = spark_job(
-        home, "rate_to_persist.py", "--seconds", "6", "--shard", SHARD, "--rows-per-second", "20"
+        submit,
+        home,
+        "rate_to_persist.py",
+        "--seconds",
+        "3",
+        "--shard",
+        SHARD,
+        "--rows-per-second",
+        "20",
     )
     m = re.search(
         rf"shard '{SHARD}': (\d+) rows, (\d+) distinct values .*exactly once: (\w+)", proc.stdout
@@ -116,16 +134,16 @@ def test_rate_to_persist_exactly_once(rates: int) -> None:
     assert rates > 0
 
 
-def test_tail_shard_available_now(home: Path, rates: int) -> None:
-    proc = spark_job(home, "tail_shard.py", "--shard", SHARD, "--available-now")
+def test_tail_shard_available_now(submit: list[str], home: Path, rates: int) -> None:
+    proc = spark_job(submit, home, "tail_shard.py", "--shard", SHARD, "--available-now")
     assert "Batch: 0" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if "_diff" in line)
     assert re.search(r"\|\s*timestamp\s*\|\s*value\s*\|\s*_time\s*\|\s*_diff\s*\|", header)
 
 
-def test_batch_asof_to_parquet(home: Path, rates: int, tmp_path: Path) -> None:
+def test_batch_asof_to_parquet(submit: list[str], home: Path, rates: int, tmp_path: Path) -> None:
     out = tmp_path / "rates-parquet"
-    proc = spark_job(home, "batch_asof_to_parquet.py", "--shard", SHARD, "--out", str(out))
+    proc = spark_job(submit, home, "batch_asof_to_parquet.py", "--shard", SHARD, "--out", str(out))
     m = re.search(
         rf"wrote (\d+) rows of shard '{SHARD}' as of (\d+) to {re.escape(str(out))}", proc.stdout
     )
@@ -134,9 +152,18 @@ def test_batch_asof_to_parquet(home: Path, rates: int, tmp_path: Path) -> None:
     assert list(out.glob("*.parquet"))
 
 
-def test_streaming_aggregation(home: Path) -> None:
+def test_streaming_aggregation(submit: list[str], home: Path) -> None:
+    # 4 s: two more of the aggregate's 2-second micro-batches, each retracting the last counts.
     proc = spark_job(
-        home, "streaming_aggregation.py", "--seconds", "8", "--buckets", "3", "--shard", "counts"
+        submit,
+        home,
+        "streaming_aggregation.py",
+        "--seconds",
+        "4",
+        "--buckets",
+        "3",
+        "--shard",
+        "counts",
     )
     assert "[tail] micro-batch" in proc.stdout
     assert re.search(r"tailed view \{.*\} equals the shard: True", proc.stdout), proc.stdout

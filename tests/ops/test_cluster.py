@@ -32,6 +32,7 @@ import pyspark
 import pytest
 from blob_fixtures import MOTO_BUCKET
 from distribution import Built
+from jvm_fixtures import QUICK_JVM
 
 from pyspark_persist.state import PersistClient
 
@@ -44,7 +45,11 @@ TIMEOUT_S = 400.0
 
 
 def test_roundtrip_and_restarted_stream_on_a_local_cluster(
-    built: Built, moto_server: str, postgres_url: str, tmp_path: Path
+    built: Built,
+    moto_server: str,
+    postgres_url: str,
+    tmp_path: Path,
+    spark_submit_java_options: str,
 ) -> None:
     """Two executor JVMs write and read S3 + PostgreSQL; a restarted stream lands exactly once."""
     run_id = uuid.uuid4().hex[:8]
@@ -63,7 +68,6 @@ def test_roundtrip_and_restarted_stream_on_a_local_cluster(
         PYSPARK_PYTHON=sys.executable,
         PYSPARK_DRIVER_PYTHON=sys.executable,
     )
-    quick_jvm = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
     out, log = tmp_path / "report.json", tmp_path / "job.log"
     cmd = [
         str(spark_home / "bin" / "spark-submit"),
@@ -76,9 +80,9 @@ def test_roundtrip_and_restarted_stream_on_a_local_cluster(
         "--conf",
         "spark.executorEnv.AWS_SECRET_ACCESS_KEY=executor-secret",
         "--driver-java-options",
-        quick_jvm,
+        spark_submit_java_options,
         "--conf",
-        f"spark.executor.extraJavaOptions={quick_jvm}",
+        f"spark.executor.extraJavaOptions={QUICK_JVM}",
         "--conf",
         "spark.ui.enabled=false",
         "--conf",
