@@ -24,14 +24,10 @@ Retries (:mod:`pyspark_persist.state.retry`): every operation retries
 transient failures with jittered backoff until the deadline (60 s, or the
 command's ``retry_timeout_s``): a refused, reset or closed connection, a
 server shutting down or starting up, too many connections, a serialization
-failure or deadlock, SQLite's "database is locked". A pooled PostgreSQL
-connection is checked before use without a round trip: if its socket is
-readable while idle, the server closed it or has something to say (a restart,
-a terminated backend), and only then is it pinged, and replaced if dead
-(``pool_pre_ping`` pinged every checkout, a second round trip for each
-compare-and-set). A connection that failed is discarded, never reused.
-Permanent failures (authentication, a missing database, no privilege) fail
-at once.
+failure or deadlock, SQLite's "database is locked". Pooled connections are
+pinged before use (``pool_pre_ping``) and a connection that failed is
+discarded, never reused. Permanent failures (authentication, a missing
+database, no privilege) fail at once.
 
 Error mapping: a failure that persists past the deadline, or a permanent
 one, raises :class:`~pyspark_persist.state.errors.StoreUnavailable` naming
@@ -47,7 +43,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import select as io_select
 import sqlite3
 import weakref
 from collections.abc import Callable
@@ -76,7 +71,6 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
     ArgumentError,
     DBAPIError,
-    DisconnectionError,
     IntegrityError,
     InterfaceError,
     OperationalError,
@@ -621,30 +615,9 @@ def _postgres_engine(url: URL) -> Engine:
     connect_args: dict[str, Any] = {}
     if "connect_timeout" not in url.query:
         connect_args["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
-    engine = create_engine(url, isolation_level="AUTOCOMMIT", connect_args=connect_args)
-    event.listen(engine, "checkout", _check_idle_connection)
-    return engine
-
-
-def _check_idle_connection(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
-    """Hand out a pooled connection only if it is alive, without a round trip when it is.
-
-    An idle autocommit connection has nothing to read: a readable socket means
-    the server closed it (EOF) or sent something unasked (a termination
-    notice), and only then is it pinged. A dead one raises DisconnectionError,
-    which makes the pool discard it and check out another, so a compare-and-set
-    never goes out on a connection already known dead (which would make its
-    outcome unknown). A connection cut silently (no FIN) fails its statement as
-    it would have failed the ping.
-    """
-    try:
-        readable, _, _ = io_select.select([dbapi_connection.fileno()], [], [], 0)
-    except (OSError, ValueError) as exc:  # closed: no descriptor any more
-        raise DisconnectionError(str(exc)) from exc
-    if not readable:
-        return
-    try:
-        with dbapi_connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
-        raise DisconnectionError(str(exc)) from exc
+    return create_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        pool_pre_ping=True,
+        connect_args=connect_args,
+    )

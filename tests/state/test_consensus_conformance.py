@@ -380,7 +380,7 @@ def test_connection_lost_during_cas_is_indeterminate(
     with pytest.raises(Indeterminate):
         consensus.compare_and_set(key, 1, VersionedData(2, b"b"))
     monkeypatch.undo()
-    # The dead pooled connection is replaced at checkout: the store keeps working.
+    # pool_pre_ping replaced the dead connection: the store keeps working.
     assert consensus.compare_and_set(key, 1, VersionedData(2, b"b")) == CaSCommitted()
 
 
