@@ -63,7 +63,7 @@ from pyspark_persist.options import (
     STARTING_SEQNO,
     PersistOptions,
 )
-from pyspark_persist.source import blob_for, client_for
+from pyspark_persist.source import blob_for, client_for, freeze_worker_heap
 from pyspark_persist.state import retry
 from pyspark_persist.state.changes import check_change_range
 from pyspark_persist.state.client import PersistClient
@@ -78,11 +78,7 @@ from pyspark_persist.state.planning import ReadLimits, plan_read
 from pyspark_persist.state.read import ReadHandle, iter_parts
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.state.times import check_readable
-from pyspark_persist.stream_reader import (
-    PersistInputPartition,
-    freeze_worker_heap,
-    read_partition,
-)
+from pyspark_persist.stream_reader import PersistInputPartition, read_partition
 
 log = logging.getLogger(__name__)
 

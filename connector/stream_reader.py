@@ -29,7 +29,6 @@ is stateless: the
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import threading
@@ -56,7 +55,7 @@ from pyspark_persist.options import (
     STARTING_TIME,
     PersistOptions,
 )
-from pyspark_persist.source import blob_for
+from pyspark_persist.source import blob_for, freeze_worker_heap
 from pyspark_persist.state import retry
 from pyspark_persist.state.changes import Behind, behind
 from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage, SchemaChanged
@@ -592,27 +591,6 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Expire the driver's reader."""
         if self._holder is not None:
             self._holder.close()
-
-
-_heap_frozen = False
-
-
-def freeze_worker_heap() -> None:
-    """Take the objects a Python worker holds before its first persist read out of the
-    cyclic GC's reach (``gc.freeze``), once per process.
-
-    Spark's worker daemon runs a full ``gc.collect()`` after every task of a reused
-    worker; it walks every tracked object, and pyspark, pyarrow and persist's own
-    modules are ~50,000 of them: ~30 ms a task, more CPU than reading a 128 MiB
-    split from mapped parts (measured; a profile of a Spark read had the collection
-    at a quarter of the workers' samples). What is alive at the first read is the
-    worker's imports and what outlived earlier tasks' collections: long-lived, so
-    freezing it loses nothing. Every task's own garbage is still collected.
-    """
-    global _heap_frozen
-    if not _heap_frozen:
-        _heap_frozen = True
-        gc.freeze()
 
 
 def read_partition(

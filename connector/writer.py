@@ -37,7 +37,7 @@ from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import sink_schema, write_schema
-from pyspark_persist.source import blob_for, client_for, open_shard
+from pyspark_persist.source import blob_for, client_for, freeze_worker_heap, open_shard
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage, ShardNotFound
@@ -182,6 +182,7 @@ def stage_rows(
     """Executor side: stage one task's rows as parts; return what was staged."""
 
     started = time.perf_counter()
+    freeze_worker_heap()
     schema = decode_schema(shard_schema)
     staged = schema.append(pa.field(DIFF, DIFF_TYPE)) if has_diff else schema
     # Spark's columns are all nullable: cast to nullable fields and leave a null in a column
@@ -313,6 +314,9 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
         self._writer_id = query_writer_id(opts)
         self._schema = _prepare_shard(opts, schema)
         self._replace = overwrite
+        # Spark builds this writer in a pooled planner worker twice a micro-batch (to plan
+        # the tasks and to commit): the worker's daemon collects after each call.
+        freeze_worker_heap()
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PersistCommitMessage:
         """Stage this task's rows (executor)."""

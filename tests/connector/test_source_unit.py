@@ -524,18 +524,29 @@ def test_unknown_shard_is_a_clear_error() -> None:
     assert opts.shard not in env.client.list_shards()
 
 
-def test_a_worker_freezes_its_imports_once_and_still_collects_each_task_s_garbage() -> None:
-    """Spark's daemon runs gc.collect() after every task of a reused Python worker; a persist
-    read freezes what the worker held before its first read, so that collection no longer
-    walks every imported object, and cyclic garbage made later is still freed."""
+def _run_python(script: str) -> None:
+    """Run ``script`` in a fresh interpreter; it prints ``ok`` when its checks pass."""
     import subprocess
     import sys
     import textwrap
 
-    script = textwrap.dedent(
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_daemon_worker_freezes_its_heap_and_still_collects_each_task_s_garbage() -> None:
+    """Spark's daemon runs gc.collect() after every task of a reused Python worker; persist's
+    tasks and planner calls freeze what the worker holds, so that collection no longer walks
+    every imported object, and cyclic garbage made later is still freed. Objects that outlive
+    tasks are frozen again once more than REFREEZE_OBJECTS of them pile up."""
+    _run_python(
         """
-        import gc, weakref
-        from pyspark_persist.stream_reader import freeze_worker_heap
+        import gc, importlib.machinery, sys, weakref
+        # What a worker forked by ``python -m pyspark.daemon`` sees as its main module.
+        sys.modules["__main__"].__spec__ = importlib.machinery.ModuleSpec("pyspark.daemon", None)
+        from pyspark_persist.source import REFREEZE_OBJECTS, freeze_worker_heap
         assert gc.get_freeze_count() == 0
         freeze_worker_heap()
         frozen = gc.get_freeze_count()
@@ -546,12 +557,29 @@ def test_a_worker_freezes_its_imports_once_and_still_collects_each_task_s_garbag
         a.other, b.other = b, a  # a cycle made by a task, after the freeze
         alive = weakref.ref(a)
         del a, b
-        freeze_worker_heap()  # a second read of the same worker: nothing more is frozen
+        freeze_worker_heap()  # the next task of the same worker: nothing more to freeze
         assert gc.get_freeze_count() == frozen
         gc.collect()
         assert alive() is None, "a task's cyclic garbage must still be collected"
+        kept = [[i] for i in range(REFREEZE_OBJECTS)]  # objects that outlive their task
+        freeze_worker_heap()
+        assert gc.get_freeze_count() >= frozen + REFREEZE_OBJECTS
+        assert len(gc.get_objects()) < REFREEZE_OBJECTS
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_process_spark_s_daemon_did_not_fork_is_never_frozen() -> None:
+    """The user's driver (or any process that is not a daemon-forked worker) keeps its heap
+    under the cyclic GC: nothing there collects after every task, and a freeze would keep
+    cycles for good."""
+    _run_python(
+        """
+        import gc
+        from pyspark_persist.source import freeze_worker_heap
+        freeze_worker_heap()
+        assert gc.get_freeze_count() == 0
+        print("ok")
+        """
+    )
