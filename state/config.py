@@ -16,6 +16,10 @@ from .errors import InvalidUsage
 MiB = 1 << 20
 
 
+_MAY_BE_ZERO = frozenset({"maintenance_delay_s"})
+"""Knobs for which 0 means "none" rather than a mistake."""
+
+
 @dataclass(frozen=True)
 class PersistConfig:
     """Knobs shared by every handle of one client. Validated on construction."""
@@ -59,13 +63,20 @@ class PersistConfig:
     it applied again, so keep this longer than any retry of a write."""
     maintenance: bool = True
     """Run compaction and GC automatically after writes (they also run on demand)."""
+    maintenance_delay_s: float = 0.05
+    """Background compaction and GC a commit asks for start this long after it (0: at once),
+    so they do not compete for the CPU with what follows the commit (the next Spark
+    micro-batch, a reader picking the commit up)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool):
                 continue
-            if not isinstance(value, int | float) or value <= 0:
+            if f.name in _MAY_BE_ZERO:
+                if not isinstance(value, int | float) or value < 0:
+                    raise InvalidUsage(f"persist config {f.name}={value!r} must be 0 or more")
+            elif not isinstance(value, int | float) or value <= 0:
                 raise InvalidUsage(f"persist config {f.name}={value!r} must be a positive number")
         if self.listen_poll_min_s > self.listen_poll_max_s:
             raise InvalidUsage("persist config listen_poll_min_s must be <= listen_poll_max_s")

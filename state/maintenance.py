@@ -520,10 +520,14 @@ class Maintenance:
     """A client's background workers: compaction and GC after commits, reader heartbeats.
 
     One daemon thread per client runs maintenance; requests for the same
-    shard and kind are deduplicated while queued. Failures are logged, never
-    raised into writers: maintenance that does not happen is retried by the
-    next commit. Reader heartbeats have a thread of their own, so a long
-    compaction or GC never delays them past ``reader_lease_s``.
+    shard and kind are deduplicated while queued. A request starts
+    ``maintenance_delay_s`` after the commit that asked for it, so a
+    compaction does not take the CPU from the work right after a commit (a
+    Spark micro-batch's next phases, a reader fetching what was committed).
+    Failures are logged, never raised into writers: maintenance that does
+    not happen is retried by the next commit. Reader heartbeats have a
+    thread of their own, so a long compaction or GC never delays them past
+    ``reader_lease_s``.
     """
 
     def __init__(self, config: PersistConfig) -> None:
@@ -609,7 +613,7 @@ class Maintenance:
             if key in self._queued:
                 return
             self._queued.add(key)
-        self._queue.put((machine, request))
+        self._queue.put((machine, request, time.monotonic() + self._config.maintenance_delay_s))
         self._ensure_thread()
 
     def _ensure_thread(self) -> None:
@@ -635,7 +639,10 @@ class Maintenance:
             item = self._queue.get()
             if item is _STOP:
                 break
-            machine, request = item
+            machine, request, due = item
+            # Still queued while it waits: commits meanwhile fold into this request.
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                break
             with self._lock:
                 self._queued.discard((type(request).__name__, machine.shard_id))
                 self._busy += 1

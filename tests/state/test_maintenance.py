@@ -495,6 +495,37 @@ def test_a_readers_commits_leave_compaction_to_the_writer(loc: tuple[str, str]) 
         writing.close()
 
 
+def test_background_compaction_waits_maintenance_delay_s_after_the_commit(tmp_path: Path) -> None:
+    """The compaction a commit asks for starts ``maintenance_delay_s`` later, not while the
+    work right after the commit (a Spark micro-batch's next phases) runs; commits meanwhile
+    fold into the one request, and ``wait_idle`` still waits for it."""
+    delay_s = 1.0
+    cfg = PersistConfig(compaction_fan_in=2, inline_write_max_bytes=1, maintenance_delay_s=delay_s)
+    client = open_client(make_location("mem-mem", tmp_path), cfg)
+    try:
+        shard = client.open_shard("delayed", SCHEMA)
+        writer = shard.writer()
+        started = time.monotonic()
+        for t in range(3):
+            writer.compare_and_append(updates([t], [1], t), t, t + 1)
+        assert compaction_request(shard.state(), cfg) is not None  # a merge is due
+        if time.monotonic() - started < delay_s / 2:  # else the machine was too busy to tell
+            assert len(shard.state().trace) == 3, "compaction started before the delay"
+        assert client.maintenance.wait_idle(30)
+        assert time.monotonic() - started >= delay_s
+        assert len(shard.state().trace) < 3
+        assert sorted(shard.reader().snapshot_table().column("k").to_pylist()) == [0, 1, 2]
+    finally:
+        client.close()
+
+
+def test_maintenance_delay_zero_means_at_once() -> None:
+    """0 is a valid delay (no wait); a negative one is refused naming the knob."""
+    assert PersistConfig(maintenance_delay_s=0).maintenance_delay_s == 0
+    with pytest.raises(Exception, match="maintenance_delay_s"):
+        PersistConfig(maintenance_delay_s=-1)
+
+
 # --- a compaction that loses its race ---------------------------------------------------------
 
 
