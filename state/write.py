@@ -144,6 +144,10 @@ class BatchBuilder:
         self._inline_limit = limit if inline_budget is None else min(limit, inline_budget)
         self._buffer: list[pa.Table] = []
         self._buffered_bytes = 0
+        """Exact bytes of ``_buffer[:_measured]``."""
+        self._measured = 0
+        self._unmeasured_bound = 0
+        """An upper bound of the bytes of ``_buffer[_measured:]`` (their total buffer sizes)."""
         self._has_time: bool | None = None
         self._pending: list[Future[PartRef]] = []
         self._done: list[PartRef] = []
@@ -181,10 +185,21 @@ class BatchBuilder:
             self._add_arrow(table)
             return
         target = self._config.part_target_bytes
+        # Table.nbytes walks every buffer range (a one-row write's largest cost); the total
+        # buffer size is a near-free upper bound, enough to know a table is far from the target.
+        bound = table.get_total_buffer_size()
+        if self._buffered_bytes + self._unmeasured_bound + bound < target:  # no slicing
+            self._buffer.append(table)
+            self._unmeasured_bound += bound
+            return
+        # Near the target: measure what was buffered unmeasured, once, and cut exactly.
+        self._buffered_bytes += sum(t.nbytes for t in self._buffer[self._measured :])
+        self._unmeasured_bound = 0
         size = table.nbytes
-        if self._buffered_bytes + size < target:  # the common small case: no slicing
+        if self._buffered_bytes + size < target:
             self._buffer.append(table)
             self._buffered_bytes += size
+            self._measured = len(self._buffer)
             return
         while table.num_rows:
             room = max(target - self._buffered_bytes, 1)
@@ -192,6 +207,7 @@ class BatchBuilder:
             head, table = table.slice(0, rows_fit), table.slice(rows_fit)
             self._buffer.append(head)
             self._buffered_bytes += head.nbytes
+            self._measured = len(self._buffer)
             if self._buffered_bytes >= target:
                 self._flush()
 
@@ -307,9 +323,11 @@ class BatchBuilder:
     def _take_buffer(self) -> pa.Table:
         # No combine_chunks: Parquet encodes chunked columns directly, and a merged
         # copy would hold a second B bytes while the slices are still referenced.
-        table = pa.concat_tables(self._buffer)
+        table = self._buffer[0] if len(self._buffer) == 1 else pa.concat_tables(self._buffer)
         self._buffer.clear()
         self._buffered_bytes = 0
+        self._measured = 0
+        self._unmeasured_bound = 0
         return table
 
     def _flush(self) -> None:
