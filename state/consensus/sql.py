@@ -7,7 +7,9 @@ row only if the head is what the caller expected. Because the new SeqNo must be
 ``expected + 1``, two racers that both pass the WHERE insert the same primary
 key and the database lets at most one commit; the loser gets a unique
 violation, reported as :class:`CaSMismatch`. The happy path is therefore one
-statement and, on PostgreSQL (autocommit), one round trip.
+statement; on PostgreSQL (autocommit) it is sent after the pool's pre-ping of the
+connection, so it costs two round trips (the ping is what tells a connection a
+server restart broke, to be discarded, from a CaS whose outcome is unknown).
 
 The table is created by the first compare_and_set into a database that
 lacks it (``CREATE TABLE IF NOT EXISTS``); opening a store (which touches
@@ -611,7 +613,8 @@ def _sqlite_engine(url: URL) -> Engine:
 
 
 def _postgres_engine(url: URL) -> Engine:
-    """A pooled psycopg 3 engine in autocommit, so a compare_and_set is one round trip."""
+    """A pooled psycopg 3 engine in autocommit, so a compare_and_set is one statement (after
+    the pre-ping that discards connections a server restart broke: see the module doc)."""
     connect_args: dict[str, Any] = {}
     if "connect_timeout" not in url.query:
         connect_args["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
