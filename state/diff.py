@@ -171,6 +171,10 @@ def full_diff(state: ShardState) -> StateDiff:
     )
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))
+"""One encoder for every diff (``json.dumps`` with options builds a new one per call)."""
+
+
 def encode(diff: StateDiff) -> bytes:
     """Encode a diff (or rollup) with magic, format version and checksum."""
     scalars = dict(diff.scalars)
@@ -185,15 +189,14 @@ def encode(diff: StateDiff) -> bytes:
             enc_puts = {k: v.to_json() for k, v in puts.items()}
             enc_dels = sorted(dels)
         maps[name] = {"put": enc_puts, "del": enc_dels}
-    body = json.dumps(
+    body = _JSON.encode(
         {
             "shard": diff.shard_id,
             "from": diff.from_seqno,
             "to": diff.to_seqno,
             "s": scalars,
             "m": maps,
-        },
-        separators=(",", ":"),
+        }
     ).encode("utf-8")
     return _HEADER.pack(_MAGIC, FORMAT_VERSION, zlib.crc32(body)) + body
 

@@ -41,6 +41,7 @@ runner, :func:`run_request`, executes them, in the background and on demand
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import queue
@@ -81,7 +82,13 @@ log = logging.getLogger(__name__)
 
 def tier(batch: Batch, fan_in: int) -> int:
     """The size tier of a batch: batches of one tier are merged together."""
-    return int(math.log(max(batch.rows, 1), fan_in))
+    return _tier(batch.rows, fan_in)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tier(rows: int, fan_in: int) -> int:
+    """(Cached: every commit asks for the tier of every batch in the trace.)"""
+    return int(math.log(max(rows, 1), fan_in))
 
 
 MAX_TIERS = 6
@@ -111,7 +118,7 @@ def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch,
         return expired
     if len(trace) < fan:
         return None
-    tiers = [tier(b, fan) for b in trace]
+    tiers = [_tier(b.rows, fan) for b in trace]
     start = 0
     for i in range(1, len(trace) + 1):
         if i == len(trace) or tiers[i] != tiers[start]:

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -111,6 +112,25 @@ def current_tracer() -> Tracer | None:
     return entry[1]
 
 
+class _Untraced(threading.local):
+    depth = 0
+    """How many traced calls of this thread found tracing off and are still running."""
+
+
+_untraced = _Untraced()
+"""One tracer lookup per operation: the calls a traced call makes while tracing is off
+(the machine, the stores, five to ten spans deep) skip the lookup and record nothing,
+as they would after it. A provider set meanwhile is used from the next operation."""
+
+
+def _run_untraced(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    _untraced.depth += 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _untraced.depth -= 1
+
+
 def span(name: str, shard: str) -> Any:
     """A context manager: a span ``name`` with ``shard=shard`` (a no-op when tracing is off)."""
     tracer = current_tracer()
@@ -141,9 +161,11 @@ def traced(
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            if _untraced.depth:
+                return fn(*args, **kwargs)
             tracer = current_tracer()
             if tracer is None:
-                return fn(*args, **kwargs)
+                return _run_untraced(fn, *args, **kwargs)
             attrs = {SHARD_ATTRIBUTE: str(get_shard(*args, **kwargs))}
             with tracer.start_as_current_span(name, attributes=attrs):
                 return fn(*args, **kwargs)
@@ -166,9 +188,11 @@ def _store_method(name: str, fn: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(fn)
     def wrapper(self: Any, key: str, *args: Any, **kwargs: Any) -> R:
+        if _untraced.depth:
+            return fn(self, key, *args, **kwargs)
         tracer = current_tracer()
         if tracer is None:
-            return fn(self, key, *args, **kwargs)
+            return _run_untraced(fn, self, key, *args, **kwargs)
         with tracer.start_as_current_span(name, attributes={SHARD_ATTRIBUTE: shard_of(key)}):
             return fn(self, key, *args, **kwargs)
 

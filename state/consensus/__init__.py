@@ -27,7 +27,7 @@ Contract:
 Backends, by URI scheme, through :func:`open_consensus` (the table is in
 :mod:`pyspark_persist.state.registry`): ``sqlite:///path``
 (the embedded default), ``postgresql://...`` (psycopg 3 through SQLAlchemy,
-one round trip per compare-and-set) and ``mem://name``.
+one statement per compare-and-set, after the pool's pre-ping) and ``mem://name``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ row only if the head is what the caller expected. Because the new SeqNo must be
 ``expected + 1``, two racers that both pass the WHERE insert the same primary
 key and the database lets at most one commit; the loser gets a unique
 violation, reported as :class:`CaSMismatch`. The happy path is therefore one
-statement and, on PostgreSQL (autocommit), one round trip.
+statement; on PostgreSQL (autocommit) it is sent after the pool's pre-ping of the
+connection, so it costs two round trips (the ping is what tells a connection a
+server restart broke, to be discarded, from a CaS whose outcome is unknown).
 
 The table is created by the first compare_and_set into a database that
 lacks it (``CREATE TABLE IF NOT EXISTS``); opening a store (which touches
@@ -44,9 +46,10 @@ import functools
 import os
 import re
 import sqlite3
+import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -76,6 +79,7 @@ from sqlalchemy.exc import (
     OperationalError,
     SQLAlchemyError,
 )
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.schema import CreateTable
 
 from .. import retry
@@ -192,6 +196,12 @@ class _Statements:
 _OPEN: weakref.WeakSet[SqlConsensus] = weakref.WeakSet()
 
 
+def _compiled(stmt: Any, engine: Engine) -> tuple[str, tuple[str, ...]]:
+    """``stmt`` as the SQL the engine's driver runs, and its positional parameters' names."""
+    compiled = stmt.compile(dialect=engine.dialect)
+    return compiled.string, tuple(compiled.positiontup or ())
+
+
 def _dispose_after_fork() -> None:
     """Drop (without closing) pooled connections a forked child inherited from its parent.
 
@@ -200,6 +210,14 @@ def _dispose_after_fork() -> None:
     """
     for consensus in list(_OPEN):
         consensus._engine.dispose(close=False)
+        # The CaS connection too: kept referenced, never closed nor reset by this process.
+        _INHERITED.append(consensus._cas_connection)
+        consensus._cas_connection = None
+        consensus._cas_lock = threading.Lock()
+
+
+_INHERITED: list[Any] = []
+"""Connections a forked child inherited checked out: held so they are never finalized here."""
 
 
 os.register_at_fork(after_in_child=_dispose_after_fork)
@@ -215,6 +233,14 @@ class SqlConsensus(Consensus):
         self._uri = uri
         self._password = password
         self._hint = _SQLITE_HINT if self._sqlite else _POSTGRES_HINT
+        self._cas_lock = threading.Lock()
+        self._cas_connection: PoolProxiedConnection | None = None
+        """SQLite: the pooled connection compare-and-sets run on, kept checked out."""
+        self._sqlite_cas = {
+            new_key: _compiled(stmt, engine)
+            for new_key, stmt in ((False, self._stmts.cas), (True, self._stmts.cas_new_key))
+        }
+        """SQLite: the CaS statements (existing key, new key) as SQL and parameter names."""
         _OPEN.add(self)
         if self._sqlite:
             # Open the file now (creating it, as an embedded store should), so a path
@@ -301,7 +327,14 @@ class SqlConsensus(Consensus):
                 # and our INSERT: it won, we did not write.
                 return False
 
-        if self._run(work, write=True, what=f"compare_and_set on {key!r}", cas=True):
+        what = f"compare_and_set on {key!r}"
+        if self._sqlite:
+            sql, names = self._sqlite_cas[expected is None]
+            args = tuple(params[n] for n in names)
+            committed = self._run(work, write=True, what=what, cas=True, sqlite_cas=(sql, args))
+        else:
+            committed = self._run(work, write=True, what=what, cas=True)
+        if committed:
             return CaSCommitted()
         return CaSMismatch(self._head_seqno(key))
 
@@ -359,6 +392,8 @@ class SqlConsensus(Consensus):
     def close(self) -> None:
         """Close every pooled connection."""
         _OPEN.discard(self)
+        with self._cas_lock:
+            self._drop_cas_connection(invalidate=False)
         self._engine.dispose()
 
     def _create_table(self) -> None:
@@ -391,6 +426,7 @@ class SqlConsensus(Consensus):
         what: str,
         cas: bool = False,
         no_table: Callable[[], T] | None = None,
+        sqlite_cas: tuple[str, tuple[Any, ...]] | None = None,
     ) -> T:
         """Run ``work`` in one transaction, retrying transient failures (:mod:`..retry`).
 
@@ -399,10 +435,13 @@ class SqlConsensus(Consensus):
         write is idempotent or guarded, so its transient failures are retried
         like reads'. ``no_table``: the answer of a read when the table does
         not exist yet (it is created by the first compare_and_set, so opening
-        a store, and every read, needs only SELECT).
+        a store, and every read, needs only SELECT). ``sqlite_cas``: the CaS's
+        SQL and arguments, run by :meth:`_sqlite_cas_attempt` instead of ``work``.
         """
 
         def attempt() -> T:
+            if sqlite_cas is not None:
+                return cast(T, self._sqlite_cas_attempt(*sqlite_cas))
             try:
                 conn = self._engine.connect()
             except SQLAlchemyError as exc:
@@ -459,6 +498,58 @@ class SqlConsensus(Consensus):
                     f"{self._detail(exc)}; read head() to find out"
                 ) from exc
             raise self._unavailable(what, exc) from exc
+
+    def _sqlite_cas_attempt(self, sql: str, args: tuple[Any, ...]) -> bool:
+        """One SQLite compare-and-set on the connection kept checked out for them.
+
+        What the general attempt does (BEGIN IMMEDIATE, the conditional
+        INSERT, COMMIT; failures classified alike), straight on the sqlite3
+        connection with the statement SQLAlchemy compiled once: its per-call
+        checkout, transaction objects and begin event cost as much as
+        SQLite's own work. A connection that failed mid-use is discarded.
+        """
+        with self._cas_lock:
+            fairy = self._cas_connection
+            if fairy is None:
+                try:
+                    fairy = self._engine.raw_connection()
+                except SQLAlchemyError as exc:
+                    raise _Failed(exc, self._detail(exc), sent=False) from exc
+                self._cas_connection = fairy
+            conn = fairy.driver_connection
+            assert isinstance(conn, sqlite3.Connection)
+            sent = False
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                sent = True
+                try:
+                    inserted = conn.execute(sql, args).rowcount == 1
+                except sqlite3.IntegrityError:
+                    inserted = False  # a racer inserted this (shard, seqno) first: it won
+                conn.execute("COMMIT")
+                return inserted
+            except sqlite3.Error as e:
+                error = DBAPIError.instance(sql, args, e, sqlite3.Error)
+                if conn.in_transaction:
+                    try:
+                        conn.rollback()
+                    except sqlite3.Error:
+                        self._drop_cas_connection(invalidate=True)
+                if self._kind(error) == _TRANSIENT:
+                    self._drop_cas_connection(invalidate=True)
+                raise _Failed(error, self._detail(error), sent=sent) from e
+            except BaseException:
+                self._drop_cas_connection(invalidate=True)  # state unknown: never reuse it
+                raise
+
+    def _drop_cas_connection(self, *, invalidate: bool) -> None:
+        fairy, self._cas_connection = self._cas_connection, None
+        if fairy is None:
+            return
+        if invalidate:
+            fairy.invalidate()
+        else:
+            fairy.close()  # back to the pool
 
     def _kind(self, exc: SQLAlchemyError) -> str:
         """Classify a driver error: transient (retry), a missing table, or permanent."""
@@ -611,7 +702,8 @@ def _sqlite_engine(url: URL) -> Engine:
 
 
 def _postgres_engine(url: URL) -> Engine:
-    """A pooled psycopg 3 engine in autocommit, so a compare_and_set is one round trip."""
+    """A pooled psycopg 3 engine in autocommit, so a compare_and_set is one statement (after
+    the pre-ping that discards connections a server restart broke: see the module doc)."""
     connect_args: dict[str, Any] = {}
     if "connect_timeout" not in url.query:
         connect_args["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S

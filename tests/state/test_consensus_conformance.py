@@ -403,3 +403,28 @@ def test_sqlite_lock_held_elsewhere_is_determinate(
     finally:
         holder.close()
         store.close()
+
+
+def test_sqlite_store_holds_no_lock_between_compare_and_sets(tmp_path: Path) -> None:
+    """The connection SQLite compare-and-sets keep checked out ends every transaction: after a
+    commit and after lost ones (a stale SeqNo, a key that exists), another process may write
+    at once."""
+    path = tmp_path / "c.db"
+    store = open_consensus(f"sqlite:///{path}")
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        key = new_key()
+        outcomes = [
+            store.compare_and_set(key, None, VersionedData(1, b"a")),
+            store.compare_and_set(key, 5, VersionedData(6, b"b")),
+            store.compare_and_set(key, None, VersionedData(1, b"c")),
+            store.compare_and_set(key, 1, VersionedData(2, b"d")),
+        ]
+        assert [type(o) for o in outcomes] == [CaSCommitted, CaSMismatch, CaSMismatch, CaSCommitted]
+        for _ in outcomes:
+            other.execute("BEGIN IMMEDIATE")  # would raise "database is locked" at once
+            other.execute("ROLLBACK")
+        assert store.head(key) == VersionedData(2, b"d")
+    finally:
+        other.close()
+        store.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pyarrow as pa
@@ -112,3 +113,31 @@ def test_parts_are_cut_at_the_target_from_small_or_sliced_inputs(
         assert sum(p.rows for p in staged.parts) == n
         assert len(staged.parts) == -(-n // rows_per_target)
         assert all(abs(p.rows - rows_per_target) <= 100 for p in staged.parts[:-1])
+
+
+def test_trace_and_inline_bytes_carried_through_commits_equal_recomputed() -> None:
+    """Commits carry the trace and inline byte total forward; after appends, replaces and
+    merges they are what a fresh look at the batches gives."""
+    config = PersistConfig(compaction_fan_in=2, inline_write_max_bytes=1 << 20)
+    with PersistClient.open("mem://totals", "mem://totals", config=config) as client:
+        shard = client.open_shard("totals", SCHEMA)
+        writer = shard.writer()
+        machine = shard.machine
+        merged = False
+        for i in range(60):
+            n = 1 + i % 3
+            table = pa.table({"id": [i] * n, "name": ["x"] * n}, schema=SCHEMA)
+            if i % 17 == 16:
+                staged = writer.builder()
+                staged.add(table.append_column(TIME, pa.array([writer.upper] * n, pa.uint64())))
+                upper = writer.upper
+                writer.compare_and_append_batches([staged.finish()], upper, upper + 1, replace=True)
+            else:
+                writer.append(table)
+            client.maintenance.wait_idle()
+            state = machine.state()
+            fresh = dataclasses.replace(state)  # no cached totals: computed from the batches
+            assert state.trace == fresh.trace
+            assert state.inline_bytes == fresh.inline_bytes
+            merged = merged or len(state.trace) < i + 1
+        assert merged  # compaction replaced batches along the way

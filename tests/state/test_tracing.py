@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,26 @@ def test_only_the_public_opentelemetry_api_is_used() -> None:
         for m in private.finditer(path.read_text())
     ]
     assert used == []
+
+
+def test_tracing_turned_on_between_writes_traces_the_next_write_whole() -> None:
+    """Whether a write is traced is decided once, when it starts: a provider set between two
+    writes traces every span of the second (the stores' included), none of the first, and
+    once it is taken away the next write records nothing."""
+    client = mem_client()
+    writer = client.open_shard("switch", SCHEMA).writer()
+    writer.append(rows(0, 1))
+    exporter = InMemorySpanExporter()
+    provider = sdk_trace.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use_tracer_provider(provider)
+    try:
+        writer.append(rows(1, 1))
+    finally:
+        tracing.use_tracer_provider(None)
+    writer.append(rows(2, 1))
+    client.close()
+    names = Counter(s.name for s in exporter.get_finished_spans())
+    assert names["WriteHandle.append"] == 1
+    assert names["Consensus.compare_and_set"] == 1
+    provider.shutdown()
