@@ -513,6 +513,21 @@ def test_options_are_case_insensitive() -> None:
     assert (a.max_rows, a.split_size_bytes) == (7, 2 << 20)
 
 
+def test_the_schema_lookup_never_connects_to_pubsub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark asks a source for its schema once, in a planner worker: the answer is the shard's
+    columns read from Consensus, with no PubSub connection (or server) started for it."""
+    import pyspark_persist.pubsub
+    from pyspark_persist.source import PersistDataSource
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("the schema lookup connected to PubSub")
+
+    monkeypatch.setattr(pyspark_persist.pubsub, "connect", refuse)
+    env = Env()
+    source = PersistDataSource({**env.base, "pubsub": "auto"})
+    assert source.schema() == read_schema(SCHEMA)
+
+
 def test_unknown_shard_is_a_clear_error() -> None:
     """Reading a shard that does not exist names the shard (and is never created by the read)."""
     env = Env()
