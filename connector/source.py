@@ -70,21 +70,25 @@ _clients: dict[tuple[str, str, str | None], PersistClient] = {}
 _clients_lock = threading.Lock()
 
 
-def client_for(opts: PersistOptions) -> PersistClient:
+def client_for(opts: PersistOptions, *, pubsub: bool = True) -> PersistClient:
     """One client per location (and PubSub setting) per process, reused across micro-batches.
 
     Spark reuses its Python workers, so a cached client keeps its shared
     state, connections and PubSub subscription from one call to the next.
+    ``pubsub=False``: a client of the location without PubSub whatever the
+    options say, for a one-off look at the shard where a subscription (or,
+    with ``auto``, a PubSub server) would cost more than the look.
     """
-    key = (opts.blob, opts.consensus, opts.pubsub)
+    channel = opts.pubsub if pubsub else None
+    key = (opts.blob, opts.consensus, channel)
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
             publisher = None
-            if opts.pubsub is not None:
+            if channel is not None:
                 from pyspark_persist.pubsub import connect
 
-                publisher = connect(opts.pubsub, opts.consensus)
+                publisher = connect(channel, opts.consensus)
             client = _clients[key] = PersistClient.open(
                 opts.blob, opts.consensus, publisher=publisher
             )
@@ -148,7 +152,9 @@ class PersistDataSource(DataSource):
             from pyspark_persist.history_reader import HISTORY_SCHEMA
 
             return HISTORY_SCHEMA
-        shard = client_for(opts).open_shard(opts.shard, create=False)
+        # Spark asks once, in a planner worker on the driver: one Consensus read, and no
+        # PubSub connection (with pubsub=auto that worker could even end up serving it).
+        shard = client_for(opts, pubsub=False).open_shard(opts.shard, create=False)
         return read_schema(shard.schema)
 
     def reader(self, schema: StructType) -> DataSourceReader:

@@ -72,6 +72,10 @@ log = logging.getLogger(__name__)
 Splits = tuple[tuple[LeasedPart, ...], ...]
 """The parts of one micro-batch, one tuple per read task."""
 
+COMMIT_WAIT_S = 0.01
+"""How long ``latestOffset`` waits for a PubSub commit notice when nothing is new (about
+Spark's polling delay between triggers that found nothing)."""
+
 
 @dataclass(frozen=True)
 class Offset:
@@ -220,6 +224,7 @@ class LeaseHolder:
         self._leased: dict[int, list[int]] = {}  # end upper -> SeqNos leased for that batch
         self._figures: dict[int, dict[str, Any]] = {}  # end upper -> that batch's figures
         self._last_end: Offset | None = None
+        self._waited_ms = 0.0
         self.available_now_upper: int | None = None
 
     @property
@@ -292,13 +297,41 @@ class LeaseHolder:
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         """The end of the next micro-batch: everything available, cut by the read limit."""
         began = time.perf_counter()
+        self._waited_ms = 0.0
         end = self._latest_offset(start, limit)
         if end != start:
             self._last_end = end
             with self._lock:
                 figures = self._figures.setdefault(end.upper, {})
                 figures["latest_offset_ms"] = round((time.perf_counter() - began) * 1000, 3)
+                figures["waited_ms"] = round(self._waited_ms, 3)
         return end
+
+    def _wait_for_commit(self, state: ShardState, upper: int) -> ShardState:
+        """With nothing past ``upper``, wait up to COMMIT_WAIT_S for PubSub to bring a commit.
+
+        Spark sleeps its polling delay (10 ms) after a trigger found nothing
+        new, so a commit that lands just after ``latestOffset`` answered waits
+        for the next trigger; waiting here instead picks it up in this one, at
+        once. Only while PubSub delivers this shard: polling Consensus here
+        would cost more than Spark's own wait.
+        """
+        if self._opts.pubsub is None or not self.machine.shared.push_healthy:
+            return state
+        began = time.perf_counter()
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while state.upper <= upper:  # a hold update moves the SeqNo, not the upper: wait on
+            remaining = deadline - time.monotonic()
+            newer = (
+                self.machine.shared.wait_for_seqno_after(state.seqno, remaining)
+                if remaining > 0
+                else None
+            )
+            if newer is None:
+                break
+            state = newer
+        self._waited_ms = (time.perf_counter() - began) * 1000
+        return state
 
     def check_schema(self, state: ShardState) -> None:
         """Stop the query once a write added columns it does not have (SchemaChanged).
@@ -325,6 +358,12 @@ class LeaseHolder:
     def _latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         self.holds.check()
         state = self.current_state()
+        if (
+            start.phase == "listen"
+            and self.available_now_upper is None
+            and state.upper <= start.upper
+        ):
+            state = self._wait_for_commit(state, start.upper)
         self.check_schema(state)
         target = state.upper
         if self.available_now_upper is not None:

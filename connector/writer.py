@@ -4,9 +4,12 @@ Every task of a micro-batch stages its rows as Arrow IPC parts in Blob,
 encoded batch by batch as Spark hands them over (bounded memory: parts of
 ``partSizeBytes``, a bounded number uploading; compaction later rewrites
 them as Parquet), and returns a :class:`PersistCommitMessage` naming them; nothing is visible
-yet. ``commit(messages, batchId)`` on the driver makes all of them visible
-in ONE compare_and_append at a fresh time ``T = max(upper, now in ms)``,
-retrying when another writer moved the upper. The commit carries the
+yet. A task whose rows are tiny (within ``inline_write_max_bytes`` encoded) writes
+no part: the rows ride in its message, and the commit puts them inline in state
+(or, when state's inline cap is reached, in Blob first). ``commit(messages,
+batchId)`` on the driver makes all of them visible in ONE compare_and_append
+at a fresh time ``T = max(upper, now in ms)``, retrying when another writer
+moved the upper. The commit carries the
 idempotency token ``batchId`` under a writer id that is the streaming
 query's own id (read from its checkpoint), so a micro-batch replayed after a
 crash is answered "already committed" and applied once. ``abort`` deletes
@@ -192,9 +195,9 @@ def stage_rows(
     config = PersistConfig(
         part_target_bytes=opts.part_size_bytes or PersistConfig.part_target_bytes
     )
-    builder = BatchBuilder(
-        blob_for(opts.blob), opts.shard, schema, config, allow_inline=False, part_format=ARROW
-    )
+    # A task whose rows encode within inline_write_max_bytes stages nothing in Blob: its
+    # rows travel in the commit message, and the driver's commit puts them in state.
+    builder = BatchBuilder(blob_for(opts.blob), opts.shard, schema, config, part_format=ARROW)
     try:
         for rb in batches:
             if rb.num_rows:
@@ -238,8 +241,8 @@ def commit_staged(
     """
     started = time.perf_counter()
     msgs = _staged(messages)
-    staged = [StagedBatch.from_json(json.loads(m.staged)) for m in msgs]
     writer = open_shard(opts).writer(writer_id)
+    staged = writer.fit_inline([StagedBatch.from_json(json.loads(m.staged)) for m in msgs])
     upper = writer.upper
     while True:
         t = max(upper, time.time_ns() // 1_000_000)

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from typing import Any
 
 import pyarrow as pa
@@ -140,7 +141,7 @@ class BatchBuilder:
         self._schema = schema
         self._config = config
         self._allow_inline = allow_inline
-        limit = config.inline_write_max_bytes
+        limit = config.inline_write_max_bytes if allow_inline else 0
         self._inline_limit = limit if inline_budget is None else min(limit, inline_budget)
         self._buffer: list[pa.Table] = []
         self._buffered_bytes = 0
@@ -182,6 +183,16 @@ class BatchBuilder:
                 "give every update a _time, or none (the commit then assigns one)"
             )
         if self._format == ARROW:
+            if self._inline_limit > 0 and self._encoder is None and not self._done:
+                # Nothing streamed yet: hold tiny updates back, they may be the whole write
+                # and then ride inline (no Blob object, no upload at all).
+                if self._buffered_bytes + table.nbytes <= self._inline_limit:
+                    self._buffer.append(table)
+                    self._buffered_bytes += table.nbytes
+                    return
+                table = pa.concat_tables([*self._buffer, table]) if self._buffer else table
+                self._buffer.clear()
+                self._buffered_bytes = 0
             self._add_arrow(table)
             return
         target = self._config.part_target_bytes
@@ -282,6 +293,14 @@ class BatchBuilder:
         if self._finished:
             raise InvalidUsage("this batch builder was already finished or aborted")
         try:
+            if self._buffer and self._format == ARROW:
+                # Every update was held back as tiny: inline if it encodes small enough.
+                table = self._take_buffer()
+                encoded = encode_inline(table)
+                if len(encoded) <= self._inline_limit:
+                    self._done.append(part_ref(table, None, encoded, len(encoded)))
+                else:
+                    self._add_arrow(table)
             self._submit_arrow(last=True)
             if self._buffer:
                 table = self._take_buffer()
@@ -493,6 +512,32 @@ class WriteHandle:
             cfg,
             inline_budget=cfg.inline_total_max_bytes - self._machine.state().inline_bytes,
         )
+
+    @traced("WriteHandle.fit_inline")
+    def fit_inline(self, batches: Sequence[StagedBatch]) -> list[StagedBatch]:
+        """``batches``, with their inline parts written to Blob first if state cannot take them.
+
+        Parts staged inline elsewhere (tiny Spark sink tasks, which cannot see
+        state) ride in the commit's state diff only while the inline data in
+        state stays within ``inline_total_max_bytes``, as :meth:`builder`'s do;
+        past it, each becomes an Arrow part in Blob (the inline bytes are one
+        already) before the commit references it. Nothing is visible until
+        the commit; a part written here and never committed is an orphan GC sweeps.
+        """
+        inline = sum(p.size_bytes for b in batches for p in b.parts if p.inline is not None)
+        cap = self._machine.config.inline_total_max_bytes
+        if not inline or self._machine.state().inline_bytes + inline <= cap:
+            return list(batches)
+        return [
+            dc_replace(b, parts=tuple(self._inline_to_blob(p) for p in b.parts)) for b in batches
+        ]
+
+    def _inline_to_blob(self, part: PartRef) -> PartRef:
+        if part.inline is None:
+            return part
+        key = new_part_key(self.shard_id, ARROW)
+        self._machine.blob.set(key, part.inline)
+        return dc_replace(part, key=key, inline=None, crc=part_checksum(part.inline), fmt=ARROW)
 
     @traced("WriteHandle.compare_and_append")
     def compare_and_append(

@@ -36,6 +36,9 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 JOB = Path(__file__).parent / "sink_jobs" / "files_to_persist.py"
 FILES = 4
 ROWS_PER_FILE = 40
+PAD = "x" * 200
+"""Added to every payload: a file's rows stage past inline_write_max_bytes, as parts in Blob
+(a tiny task would carry its rows inline), so the kills leave staged parts for GC to sweep."""
 SLEEP_S = 0.6
 """Each hook's sleep: the window in which a kill lands in that phase."""
 RUN_TIMEOUT_S = 150.0
@@ -131,7 +134,7 @@ def test_sigkill_at_random_points_then_restart_exactly_once(
     input_dir.mkdir()
     for f in range(FILES):
         lines = [
-            json.dumps({"id": f * ROWS_PER_FILE + i, "payload": f"file{f}-row{i}"})
+            json.dumps({"id": f * ROWS_PER_FILE + i, "payload": f"file{f}-row{i}{PAD}"})
             for i in range(ROWS_PER_FILE)
         ]
         (input_dir / f"part-{f:03d}.json").write_text("\n".join(lines) + "\n")

@@ -58,10 +58,11 @@ def _writer(shard: str, checkpoint: Path, overwrite: bool = False) -> PersistStr
     return PersistStreamWriter(opts, SCHEMA, overwrite)
 
 
-def _stage(writer: PersistStreamWriter, ids: range) -> PersistCommitMessage:
-    """One task's ``write()``: Arrow batches in, a commit message out."""
+def _stage(writer: PersistStreamWriter, ids: range, pad: int = 0) -> PersistCommitMessage:
+    """One task's ``write()``: Arrow batches in, a commit message out; ``pad`` characters
+    added to each name (to stage past inline_write_max_bytes, in Blob)."""
     rb = pa.RecordBatch.from_pydict(
-        {"id": pa.array(list(ids), pa.int64()), "name": [f"n{i}" for i in ids]}
+        {"id": pa.array(list(ids), pa.int64()), "name": [f"n{i}" + "x" * pad for i in ids]}
     )
     return writer.write(iter([rb]))
 
@@ -127,11 +128,35 @@ def test_abort_deletes_staged_parts(tmp_path: Path) -> None:
     client = PersistClient.open()
     before = {m.key for m in client.blob.list_keys(f"{shard}/part/")}
     w2 = _writer(shard, ckpt)
-    msgs = [_stage(w2, range(10, 20)), _stage(w2, range(20, 30))]
+    msgs = [_stage(w2, range(10, 20), pad=500), _stage(w2, range(20, 30), pad=500)]
     assert len({m.key for m in client.blob.list_keys(f"{shard}/part/")} - before) == 2
     w2.abort(msgs, 1)
     assert {m.key for m in client.blob.list_keys(f"{shard}/part/")} == before
     assert _ids(shard) == [0, 1, 2]
+
+
+def test_a_tiny_task_stages_no_part_and_its_rows_commit_inline_exactly_once(
+    tmp_path: Path,
+) -> None:
+    """A task with a few rows writes nothing to Blob: its rows ride in its commit message and
+    the commit puts them in state; a replay of that micro-batch still applies nothing."""
+    shard = f"inline-{uuid.uuid4().hex[:8]}"
+    ckpt = _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+    w = _writer(shard, ckpt)
+    client = PersistClient.open()
+    msg = _stage(w, range(3))
+    assert msg.rows == 3 and msg.parts == 1
+    assert list(client.blob.list_keys(f"{shard}/part/")) == []
+    w.commit([msg], 0)
+    _writer(shard, ckpt).commit([msg], 0)  # Spark replays the micro-batch after a crash
+    assert _ids(shard) == [0, 1, 2]
+    assert [m["outcome"] for m in read_sink_metrics(str(ckpt))] == [
+        "committed",
+        "already committed",
+    ]
+    state = client.open_shard(shard, create=False).state()
+    assert all(p.key is None for b in state.trace for p in b.parts)
+    assert list(client.blob.list_keys(f"{shard}/part/")) == []
 
 
 def test_commit_times_at_or_after_upper_and_wall_clock(tmp_path: Path) -> None:

@@ -513,6 +513,71 @@ def test_options_are_case_insensitive() -> None:
     assert (a.max_rows, a.split_size_bytes) == (7, 2 << 20)
 
 
+def test_the_schema_lookup_never_connects_to_pubsub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark asks a source for its schema once, in a planner worker: the answer is the shard's
+    columns read from Consensus, with no PubSub connection (or server) started for it."""
+    import pyspark_persist.pubsub
+    from pyspark_persist.source import PersistDataSource
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("the schema lookup connected to PubSub")
+
+    monkeypatch.setattr(pyspark_persist.pubsub, "connect", refuse)
+    env = Env()
+    source = PersistDataSource({**env.base, "pubsub": "auto"})
+    assert source.schema() == read_schema(SCHEMA)
+
+
+def test_latest_offset_waits_for_a_pubsub_commit_when_nothing_is_new(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing new, latestOffset waits a moment for PubSub to bring a commit, so one that
+    lands just after the trigger is in this micro-batch rather than the next; the wait shows
+    as ``waited_ms`` in metricsFile. With nothing coming it returns the start after it."""
+    import json
+    import time
+
+    import pyspark_persist.stream_reader as stream_reader
+
+    wait_s = 2.0  # the real wait is 10 ms: long enough here to tell on a busy machine
+    monkeypatch.setattr(stream_reader, "COMMIT_WAIT_S", wait_s)
+    base = {
+        "blob": f"file://{tmp_path}/blob",
+        "consensus": f"sqlite:///{tmp_path}/consensus.db",
+        "shard": "waited",
+    }
+    client = PersistClient.open(base["blob"], base["consensus"])
+    writer = client.open_shard("waited", SCHEMA).writer()
+    writer.append(rows(range(3)))
+    metrics = tmp_path / "metrics.jsonl"
+    opts = PersistOptions.parse(
+        {**base, "pubsub": "auto", "startingPosition": "latest", "metricsFile": str(metrics)},
+        "stream_read",
+    )
+    holder = LeaseHolder(opts)
+    deadline = time.monotonic() + 30
+    while not holder.machine.shared.push_healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holder.machine.shared.push_healthy, "the PubSub subscription never came up"
+    start = holder.initial_offset()
+
+    began = time.monotonic()
+    assert holder.latest_offset(start, ReadAllAvailable()) == start  # nothing came
+    assert time.monotonic() - began >= wait_s
+
+    later = threading.Timer(0.2, lambda: writer.append(rows(range(3, 5))))
+    later.start()
+    end = holder.latest_offset(start, ReadAllAvailable())
+    later.join()
+    assert end.upper > start.upper, "the commit during the wait was not picked up"
+    read = read_all(PersistStreamReader(opts, read_schema(SCHEMA)), holder.plan(start, end))
+    assert sorted(r["id"] for r in read) == [3, 4]
+    (line,) = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert 0 < line["waited_ms"] < wait_s * 1000
+    holder.close()
+    client.close()
+
+
 def test_unknown_shard_is_a_clear_error() -> None:
     """Reading a shard that does not exist names the shard (and is never created by the read)."""
     env = Env()

@@ -127,6 +127,72 @@ def test_parquet_and_arrow_parts_read_together(client: Any) -> None:
     assert sorted(Counter(table.column(TIME).to_pylist()).items()) == [(0, 1500), (1, 1500)]
 
 
+def test_a_tiny_arrow_write_rides_inline_and_a_larger_one_streams_to_blob(client: Any) -> None:
+    """An Arrow-staging builder (the Spark sink's) holds tiny updates back: if they are the
+    whole write they become one inline part (nothing in Blob); once they outgrow
+    inline_write_max_bytes they stream into an Arrow part with what was held back."""
+    shard = client.open_shard("arrow-inline", SCHEMA)
+
+    def build(tables: list[pa.Table]) -> Any:
+        builder = BatchBuilder(
+            client.blob, shard.machine.shard_id, SCHEMA, client.config, part_format=ARROW
+        )
+        for t in tables:
+            builder.add(t)
+        return builder.finish()
+
+    keys_before = {m.key for m in client.blob.list_keys("arrow-inline/part/")}
+    tiny = build([rows(5), rows(5, 5)])
+    (part,) = tiny.parts
+    assert part.key is None and part.inline is not None and part.rows == 10
+    assert {m.key for m in client.blob.list_keys("arrow-inline/part/")} == keys_before
+    larger = build([rows(5, 10), rows(500, 15)])  # held back, then past the inline limit
+    assert all(p.key is not None and p.fmt == ARROW for p in larger.parts)
+    assert sum(p.rows for p in larger.parts) == 505
+    writer = shard.writer()
+    writer.compare_and_append_batches([tiny, larger], 0, 1, ts_rewrite=0)
+    expected = as_counter(rows(515).append_column(DIFF, pa.repeat(1, 515)))
+    assert as_counter(shard.reader().snapshot_table(0)) == expected
+
+
+def test_fit_inline_moves_inline_parts_to_blob_once_states_cap_is_reached(tmp_path: Path) -> None:
+    """Parts staged inline where state is not known (Spark tasks) are committed inline while
+    state's inline data stays within inline_total_max_bytes, and written to Blob first past
+    it; every row reads back once either way."""
+    config = PersistConfig(inline_total_max_bytes=3000, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    try:
+        shard = c.open_shard("fit", SCHEMA)
+        writer = shard.writer()
+
+        def staged(start: int) -> Any:
+            builder = BatchBuilder(
+                c.blob, shard.machine.shard_id, SCHEMA, c.config, part_format=ARROW
+            )
+            builder.add(rows(10, start))
+            return builder.finish()
+
+        upper, blob_parts = 0, 0
+        for i in range(8):
+            batch = staged(10 * i)
+            assert batch.parts[0].inline is not None
+            fitted = writer.fit_inline([batch])
+            before = shard.state().inline_bytes
+            writer.compare_and_append_batches(fitted, upper, upper + 1, ts_rewrite=upper)
+            upper += 1
+            (part,) = fitted[0].parts
+            if part.inline is None:
+                blob_parts += 1
+                assert part.fmt == ARROW and part.key is not None and part.crc is not None
+                assert before + batch.parts[0].size_bytes > config.inline_total_max_bytes
+            assert shard.state().inline_bytes <= config.inline_total_max_bytes
+        assert blob_parts > 0
+        expected = as_counter(rows(80).append_column(DIFF, pa.repeat(1, 80)))
+        assert as_counter(shard.reader().snapshot_table(upper - 1)) == expected
+    finally:
+        c.close()
+
+
 def test_small_parts_are_fetched_without_a_prefetch_thread(
     client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -35,7 +35,10 @@ def test_freshness_quick_reports_every_pipeline(spark: SparkSession, tmp_path: P
             assert "addBatch" in p.phases_ms[query], (p.kind, query)
             assert all(math.isfinite(v) and v >= 0 for v in p.phases_ms[query].values())
     assert math.isfinite(report.p50_ratio) and report.p50_ratio > 0
+    waits = by["persist"].waits  # from the persist source's metricsFile
+    assert waits["batches"] > 0 and 0 <= waits["waited"] <= waits["batches"]
     text = render(report)
     assert "persist sink -> persist source" in text and "file sink -> file source" in text
     assert all(phase in text for phase in PHASES[:4])
+    assert "waited_ms median" in text
     assert spark.streams.active == []  # every query the benchmark started was stopped

@@ -62,6 +62,10 @@ class Pipeline:
     max_ms: float
     phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     """``{"sink": {phase: median}, "reader": {...}}``."""
+    waits: dict[str, float] = field(default_factory=dict)
+    """persist's source only, from its ``metricsFile``: of the steady micro-batches
+    (``batches``), how many ``latestOffset`` found after waiting for a PubSub commit notice
+    (``waited``), and the median wait of those (``waited_ms_p50``)."""
 
 
 @dataclass
@@ -187,7 +191,12 @@ def run_pipeline(
         sink = writer.format("persist").options(**opts).start(tag)
         while sink.lastProgress is None and sink.exception() is None:
             time.sleep(0.05)  # the shard exists after the first commit
-        source = spark.readStream.format("persist").options(**opts).load(tag)
+        source = (
+            spark.readStream.format("persist")
+            .options(**opts)
+            .option("metricsFile", f"{base}/source-metrics.jsonl")
+            .load(tag)
+        )
     elif kind == "file":
         sink = writer.format("parquet").option("path", f"{base}/data").start()
         source = spark.readStream.schema(events.schema).parquet(f"{base}/data")
@@ -243,7 +252,25 @@ def run_pipeline(
         round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
         round(kept[-1], 1),
         phases,
+        _waits(f"{base}/source-metrics.jsonl", steady_from) if kind == "persist" else {},
     )
+
+
+def _waits(metrics_file: str, since: float) -> dict[str, float]:
+    """How persist's source waited in latestOffset (see ``Pipeline.waits``) in the micro-batches
+    ending after ``since`` (their end offsets are times in ms: the sink writes wall-clock ms)."""
+    try:
+        with open(metrics_file, encoding="utf-8") as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return {}
+    steady = [x for x in lines if x["end"]["upper"] >= since * 1000]
+    waited = [x["waited_ms"] for x in steady if x.get("waited_ms", 0) > 0]
+    return {
+        "batches": len(steady),
+        "waited": len(waited),
+        "waited_ms_p50": round(statistics.median(waited), 1) if waited else 0.0,
+    }
 
 
 def run(ns: argparse.Namespace, spark: Any = None) -> Report:
@@ -323,6 +350,13 @@ def render(report: Report) -> str:
         "  (floor: rate -> a Python streaming sink that discards, as the sink; a no-I/O "
         "Python source -> memory, as the reader)"
     )
+    waits = by["persist"].waits
+    if waits:
+        lines.append(
+            f"  persist reader latestOffset: {waits['waited']:.0f} of {waits['batches']:.0f} "
+            "micro-batches found their commit by waiting for its PubSub notice (waited_ms "
+            f"median {waits['waited_ms_p50']:.1f})"
+        )
     return "\n".join(lines)
 
 
