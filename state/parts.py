@@ -198,6 +198,9 @@ def conform_updates(
     Returns the table in part layout (``_time`` zero-filled when absent) and
     whether the input carried its own ``_time`` column. With ``fill_missing``
     (a merge-schema write) nullable shard columns the updates lack are null.
+    The checks of the column names and types are planned once per pair of
+    schemas (:func:`_conform_plan`): a sink hands over thousands of batches of
+    one schema, and re-deriving the same answer cost more than the batch's copy.
     """
     if isinstance(updates, pa.RecordBatch):
         updates = pa.Table.from_batches([updates])
@@ -205,36 +208,69 @@ def conform_updates(
         raise InvalidUpdates(
             f"updates must be a pyarrow.Table or RecordBatch, got {type(updates).__name__}"
         )
-    names = updates.column_names
-    has_time = TIME in names
-    row_fields = [f for f in updates.schema if f.name not in RESERVED]
+    plan = _conform_plan(updates.schema, schema, shard, fill_missing)
     n = updates.num_rows
-    if [(f.name, f.type) for f in row_fields] != [(f.name, f.type) for f in schema]:
-        given = {f.name: f.type for f in row_fields}
-        missing = [f for f in schema if f.name not in given]
-        if not (
-            set(given) <= set(schema.names)
-            and all(given[f.name] == f.type for f in schema if f.name in given)
-            and (not missing or (fill_missing and all(f.nullable for f in missing)))
-        ):
-            row_schema = pa.schema(row_fields)
-            raise SchemaMismatch(
-                schema_mismatch_message(shard, schema, row_schema, "write with merge_schema=True")
-            )
+    if n == 0:
+        return plan.out_schema.empty_table(), plan.has_time
     time = _checked_column(updates, TIME, TIME_TYPE, 0)
     diff = _checked_column(updates, DIFF, DIFF_TYPE, 1)
-    present = set(names)
-    columns = [updates.column(f.name) if f.name in present else pa.nulls(n, f.type) for f in schema]
-    for f, col in zip(schema, columns, strict=True):
-        if not f.nullable and col.null_count:
+    columns = [
+        updates.column(i) if i is not None else pa.nulls(n, f.type)
+        for i, f in zip(plan.sources, schema, strict=True)
+    ]
+    for i in plan.non_nullable:
+        if columns[i].null_count:
             raise InvalidUpdates(
-                f"column {f.name!r} of shard {shard!r} is non-nullable but {col.null_count} "
-                "updates have a null there: fill or drop those rows"
+                f"column {schema[i].name!r} of shard {shard!r} is non-nullable but "
+                f"{columns[i].null_count} updates have a null there: fill or drop those rows"
             )
-    if n == 0:
-        return data_schema(schema).empty_table(), has_time
-    table = pa.Table.from_arrays([*columns, time, diff], schema=data_schema(schema))
-    return table, has_time
+    return pa.Table.from_arrays([*columns, time, diff], schema=plan.out_schema), plan.has_time
+
+
+@dataclass(frozen=True)
+class _ConformPlan:
+    """How updates of one schema become part layout for one shard schema."""
+
+    sources: tuple[int | None, ...]
+    """For each shard column, its index in the updates (None: filled with nulls)."""
+    non_nullable: tuple[int, ...]
+    """Shard columns that must hold no null (checked on every table: Arrow does not enforce a
+    field's nullability, so only the data can tell)."""
+    has_time: bool
+    out_schema: pa.Schema
+
+
+@functools.lru_cache(maxsize=64)
+def _conform_plan(
+    given: pa.Schema, schema: pa.Schema, shard: str, fill_missing: bool
+) -> _ConformPlan:
+    """Check a write's columns against the shard's once; SchemaMismatch when they do not fit.
+
+    Exact equality (the usual case: the writer built its updates with the shard's
+    schema) takes no per-column look-up at all.
+    """
+    out = data_schema(schema)
+    row_fields = [f for f in given if f.name not in RESERVED]
+    if given.equals(schema) or given.equals(out):
+        sources: tuple[int | None, ...] = tuple(range(len(schema)))
+    else:
+        if [(f.name, f.type) for f in row_fields] != [(f.name, f.type) for f in schema]:
+            types = {f.name: f.type for f in row_fields}
+            missing = [f for f in schema if f.name not in types]
+            if not (
+                set(types) <= set(schema.names)
+                and all(types[f.name] == f.type for f in schema if f.name in types)
+                and (not missing or (fill_missing and all(f.nullable for f in missing)))
+            ):
+                raise SchemaMismatch(
+                    schema_mismatch_message(
+                        shard, schema, pa.schema(row_fields), "write with merge_schema=True"
+                    )
+                )
+        index = {name: i for i, name in enumerate(given.names)}
+        sources = tuple(index.get(f.name) for f in schema)
+    non_nullable = tuple(i for i, f in enumerate(schema) if not f.nullable)
+    return _ConformPlan(sources, non_nullable, TIME in given.names, out)
 
 
 def _checked_column(

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter_parts
-from pyspark_persist.state.errors import CorruptData, InvalidUsage
+from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
 from pyspark_persist.state.parts import (
     ARROW,
     PARQUET,
@@ -320,6 +320,31 @@ def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(tmp_path
     aborted.abort()
     assert sorted(p.name for p in part_dir.iterdir()) == [part.key.rsplit("/", 1)[-1]]
     c.close()
+
+
+def test_conform_checks_every_table_though_its_schema_pair_is_planned_once() -> None:
+    """Updates of the shard's schema become part layout; a second table of the same schema
+    still has its data checked (a null in a non-nullable column), and another schema is still
+    checked on its own (a wrong type refused, a merge-schema write filled with nulls)."""
+    shard = pa.schema([pa.field("id", pa.int64(), nullable=False), ("name", pa.string())])
+    given = pa.table({"id": [1, 2], "name": ["a", None]}, schema=shard)
+    table, has_time = conform_updates(given, shard, "s")
+    assert not has_time and table.column_names == ["id", "name", TIME, DIFF]
+    assert table.column(DIFF).to_pylist() == [1, 1] and table.column(TIME).to_pylist() == [0, 0]
+    nullable = pa.schema([("id", pa.int64()), ("name", pa.string())])
+    conform_updates(pa.table({"id": [3], "name": ["c"]}, schema=nullable), shard, "s")
+    with pytest.raises(InvalidUpdates, match="'id' of shard 's' is non-nullable"):
+        conform_updates(pa.table({"id": [None], "name": ["c"]}, schema=nullable), shard, "s")
+    with pytest.raises(SchemaMismatch):
+        conform_updates(pa.table({"id": ["x"], "name": ["c"]}), shard, "s")
+    reordered = pa.table({"name": ["z"], "id": pa.array([9], pa.int64())})
+    table, _ = conform_updates(reordered, shard, "s")
+    assert table.select(["id", "name"]).to_pylist() == [{"id": 9, "name": "z"}]
+    only_id = pa.table({"id": pa.array([4], pa.int64())})
+    with pytest.raises(SchemaMismatch):
+        conform_updates(only_id, shard, "s")
+    table, _ = conform_updates(only_id, shard, "s", fill_missing=True)
+    assert table.column("name").to_pylist() == [None]
 
 
 def test_parquet_part_streams_into_blob_and_its_crc_verifies(tmp_path: Path) -> None:
