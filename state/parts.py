@@ -578,13 +578,13 @@ class _ChecksumSink:
 class ArrowPartEncoder:
     """Streams one Arrow IPC part into a :class:`BlobWriter` as its updates arrive.
 
-    Updates are coalesced into record batches of ``batch_rows`` rows (so a
-    reader hands Spark few, large batches; larger inputs are split to that
-    size); each is written to ``out`` as soon as it is cut, its statistics
-    gathered on the way, and the part's size and CRC-32 are counted as the
-    bytes pass. The encoder so holds less than one batch of rows, never the
-    part: keeping the batches for one write at the end made a second copy of
-    every byte (into the encoded buffer), and their fresh pages cost a page
+    Updates are coalesced into record batches of exactly ``batch_rows`` rows
+    (the last one of a part may be shorter), so a reader hands Spark few,
+    large batches; each is written to ``out`` as soon as it is full, its
+    statistics gathered on the way, and the part's size and CRC-32 are counted
+    as the bytes pass. The encoder so holds less than one batch of rows, never
+    the part: keeping the batches for one write at the end made a second copy
+    of every byte (into the encoded buffer), and their fresh pages cost a page
     fault each, the sink's largest costs in a py-spy profile (coalescing into
     fresh memory 645 samples, encoding into the buffer 405, of 1,354 staging).
     """
@@ -593,39 +593,66 @@ class ArrowPartEncoder:
         self._batch_rows = batch_rows
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
+        self._row_bytes: float | None = None
+        """Bytes a row of the first table took in Arrow (until a batch is written)."""
         self.stats = PartStats()
-        self.nbytes = 0
-        """Arrow bytes added so far (what the part holds decoded)."""
         self.rows = 0
         """Updates added so far."""
         self._sink = _ChecksumSink(out)
         options = pa.ipc.IpcWriteOptions(compression=ARROW_COMPRESSION, use_threads=False)
         self._writer = pa.ipc.new_stream(self._sink, schema, options=options)
 
+    def rows_room(self, target_bytes: int, incoming: pa.Table) -> int:
+        """How many more rows keep the part within ``target_bytes`` (at least 1).
+
+        Sized in rows, from the bytes already written per row (the part's real
+        size, header included), or before any batch is written from the first
+        ``incoming`` table's size: measuring every incoming table's ``nbytes``
+        walked its string columns' offsets, once per Spark batch.
+        """
+        written = self.rows - self._pending_rows
+        if written:
+            per_row = self._sink.size / written
+        else:
+            if self._row_bytes is None:
+                self._row_bytes = max(incoming.nbytes / max(incoming.num_rows, 1), 1.0)
+            per_row = self._row_bytes
+        return max(1, int(target_bytes / per_row) - self.rows)
+
     def write(self, table: pa.Table) -> None:
         """Add updates in part layout."""
         if table.num_rows == 0:
             return
-        self.nbytes += table.nbytes
         self.rows += table.num_rows
         self._pending.append(table)
         self._pending_rows += table.num_rows
-        if self._pending_rows >= self._batch_rows:
-            self._cut_pending()
+        while self._pending_rows >= self._batch_rows:
+            self._cut_pending(self._batch_rows)
 
-    def _cut_pending(self) -> None:
+    def _cut_pending(self, rows: int) -> None:
+        """Write the first ``rows`` pending rows as one record batch; keep the rest pending."""
         if not self._pending:
             return
-        table = pa.concat_tables(self._pending).combine_chunks()
-        self._pending.clear()
-        self._pending_rows = 0
-        self.stats.add(table)  # per coalesced batch: a few kernel calls per batch_rows rows
-        for batch in table.to_batches(max_chunksize=self._batch_rows):
-            self._writer.write_batch(batch)
+        take: list[pa.Table] = []
+        taken = 0
+        while taken < rows:
+            head = self._pending.pop(0)
+            if taken + head.num_rows > rows:
+                split = rows - taken
+                self._pending.insert(0, head.slice(split))
+                head = head.slice(0, split)
+            take.append(head)
+            taken += head.num_rows
+        self._pending_rows -= taken
+        table = take[0] if len(take) == 1 else pa.concat_tables(take)
+        batch = table.combine_chunks().to_batches()[0]
+        self.stats.add(batch)  # per coalesced batch: a few kernel calls per batch_rows rows
+        self._writer.write_batch(batch)
 
     def finish(self) -> tuple[int, int]:
         """End the IPC stream; the part's size in bytes and its CRC-32 (``out`` not committed)."""
-        self._cut_pending()
+        if self._pending_rows:
+            self._cut_pending(self._pending_rows)
         self._writer.close()
         return self._sink.size, self._sink.crc
 

@@ -202,13 +202,12 @@ class BatchBuilder:
             if self._encoder is None:
                 self._open_arrow(table.schema)
             assert self._encoder is not None
-            room = target - self._encoder.nbytes
-            if table.nbytes <= room:
+            room = self._encoder.rows_room(target, table)
+            if table.num_rows < room:
                 self._encoder.write(table)
                 break
-            rows_fit = max(1, int(table.num_rows * room / max(table.nbytes, 1)))
-            self._encoder.write(table.slice(0, rows_fit))
-            table = table.slice(rows_fit)
+            self._encoder.write(table.slice(0, room))
+            table = table.slice(room)
             self._submit_arrow()
         self._add_upload_s(time.perf_counter() - started)
 

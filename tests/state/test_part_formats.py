@@ -292,6 +292,22 @@ def test_arrow_parts_hold_batches_of_at_most_read_batch_rows(tmp_path: Path) -> 
     c.close()
 
 
+def test_arrow_parts_coalesce_small_inputs_into_full_read_batches(tmp_path: Path) -> None:
+    """Inputs of odd sizes (Spark hands over 10,000-row batches) are stored as batches of
+    exactly ``read_batch_rows`` rows but the part's last, in the order the rows came."""
+    config = PersistConfig(read_batch_rows=1000, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    shard = c.open_shard("odd", SCHEMA)
+    inputs = [rows(n, start) for n, start in [(300, 0), (1450, 300), (7, 1750), (993, 1757)]]
+    (part,) = stage(c, shard, inputs, ARROW).parts
+    data = fetch_part_bytes(c.blob, part, "odd")
+    batches = list(iter_part_batches(data, part, "odd"))
+    assert [b.num_rows for b in batches] == [1000, 1000, 750]
+    got = pa.Table.from_batches(batches).select(SCHEMA.names)
+    assert got.equals(rows(2750))
+    c.close()
+
+
 def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(tmp_path: Path) -> None:
     """Rows of an open Arrow part reach the store as they are added (the builder holds less
     than one read batch of them, not the part); the CRC-32 counted on the way is the stored
