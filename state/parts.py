@@ -300,8 +300,37 @@ def _bounds(col: pa.ChunkedArray | pa.Array, rows: int) -> tuple[int, int]:
     if rows <= SMALL_ROWS:
         values = col.to_pylist()
         return min(values), max(values)
+    numbers = _numeric_view(col)
+    if numbers is not None:
+        return int(numbers.min()), int(numbers.max())
     mm = pc.min_max(col)
     return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
+def _numeric_view(col: pa.ChunkedArray | pa.Array) -> np.ndarray[Any, Any] | None:
+    """A numpy view of a null-free, one-chunk integer or float column's values; else None.
+
+    numpy's min and max over the view run in a tenth of the time ``pc.min_max`` takes
+    for the same 65,536 values (its kernel call and result struct dominate). No
+    ``Array.to_numpy``: it imports pandas (see :func:`constant_column`).
+    """
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    if len(chunks) != 1 or chunks[0].null_count:
+        return None
+    arr = chunks[0]
+    typ = arr.type
+    if pa.types.is_floating(typ) and typ.bit_width != 16:
+        kind = "f"
+    elif pa.types.is_signed_integer(typ):
+        kind = "i"
+    elif pa.types.is_unsigned_integer(typ):
+        kind = "u"
+    else:
+        return None
+    width = typ.bit_width // 8
+    return np.frombuffer(
+        arr.buffers()[1], f"<{kind}{width}", count=len(arr), offset=arr.offset * width
+    )
 
 
 def time_bounds(table: pa.Table) -> tuple[Time, Time]:
@@ -404,18 +433,15 @@ def _column_bounds(col: pa.ChunkedArray | pa.Array) -> tuple[Any, Any] | None:
     profile Arrow's ``min_max`` over a 32-byte string column compared row by row
     and cost about as much as writing the part. Anything else goes to ``min_max``.
     """
+    numbers = _numeric_view(col)
+    if numbers is not None:
+        lo = numbers.min()
+        if numbers.dtype.kind == "f":
+            return None if np.isnan(lo) else (float(lo), float(numbers.max()))
+        return int(lo), int(numbers.max())
     chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
     if len(chunks) == 1 and chunks[0].null_count == 0:
         arr = chunks[0]
-        if pa.types.is_floating(arr.type):
-            # A view of the values buffer: Array.to_numpy would import pandas (see
-            # constant_column), which a fresh Spark worker needs for nothing else.
-            width = arr.type.bit_width // 8
-            floats = np.frombuffer(
-                arr.buffers()[1], f"<f{width}", count=len(arr), offset=arr.offset * width
-            )
-            lo = floats.min()
-            return None if np.isnan(lo) else (float(lo), float(floats.max()))
         if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
             values = _equal_width(arr)
             if values is not None:
@@ -461,21 +487,27 @@ def _extreme_row(values: _EqualWidth, largest: bool) -> str:
     then (for distinct prefixes) next to nothing.
     """
     n, width = values.rows, values.width
-    candidates = np.arange(n)
+    if width == 0:
+        return ""
+    candidates: np.ndarray[Any, Any] | None = None
+    """Rows that tie so far (None: every row, not materialised for the first window)."""
     for start in range(0, width, 8):
         at = values.first + start
         if start + 8 <= width:
             window = np.ndarray((n,), ">u8", values.data, at, (width,))
-            keys = window if len(candidates) == n else window[candidates]
+            keys = window if candidates is None else window[candidates]
         else:  # the last, short window: the same bytes zero-padded in every value
             tail = np.ndarray((n, width - start), np.uint8, values.data, at, (width, 1))
-            padded = np.zeros((len(candidates), 8), np.uint8)
-            padded[:, : width - start] = tail[candidates]
+            rows = tail if candidates is None else tail[candidates]
+            padded = np.zeros((len(rows), 8), np.uint8)
+            padded[:, : width - start] = rows
             keys = padded.view(">u8").ravel()
         best = keys.max() if largest else keys.min()
-        candidates = candidates[keys == best]
+        ties = np.flatnonzero(keys == best)
+        candidates = ties if candidates is None else candidates[ties]
         if len(candidates) == 1:
             break
+    assert candidates is not None
     row = values.first + int(candidates[0]) * width
     return memoryview(values.data)[row : row + width].tobytes().decode()
 

@@ -404,6 +404,30 @@ def test_string_ranges_equal_arrows_min_max(values: list[str], typ: pa.DataType)
         assert ref.stats["s"] == (min(table.column("s").to_pylist()), max(table["s"].to_pylist()))
 
 
+@pytest.mark.parametrize(
+    ("typ", "values"),
+    [
+        (pa.uint64(), [2**64 - 1, 0, 2**63, 5] * 40),
+        (pa.int64(), [-(2**63), 2**63 - 1, 0, -1] * 40),
+        (pa.int8(), [-128, 127, 3, 0] * 40),
+        (pa.uint16(), [65535, 1, 0, 7] * 40),
+    ],
+)
+def test_integer_ranges_and_time_bounds_are_exact_at_the_type_limits(
+    typ: pa.DataType, values: list[int]
+) -> None:
+    """Integer ranges (and the time range) are exact at each type's limits, for whole and
+    sliced columns of more rows than the small-input path takes."""
+    schema = pa.schema([("n", typ)])
+    for table in (pa.table({"n": pa.array(values, typ)}), pa.table({"n": values[3:-2]}, schema)):
+        times = pa.array([v % 2**64 for v in table.column("n").to_pylist()], pa.uint64())
+        updates = conform_updates(table.append_column(TIME, times), schema, "s")[0]
+        ref = part_ref(updates, "k", None, 1, None, ARROW)
+        got = table.column("n").to_pylist()
+        assert ref.stats is not None and ref.stats["n"] == (min(got), max(got))
+        assert (ref.min_time, ref.max_time) == (min(times.to_pylist()), max(times.to_pylist()))
+
+
 def test_float_range_ignores_nulls_and_a_nan_anywhere_drops_it() -> None:
     """Float ranges are exact (-0.0 and infinities included); a NaN in any batch drops the
     column's range, nulls are ignored."""
