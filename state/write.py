@@ -58,14 +58,13 @@ from .parts import (
     conform_updates,
     decode_schema,
     encode_inline,
-    encode_parquet,
     encode_schema,
     evolve_schema,
     new_part_key,
-    part_checksum,
     part_ref,
     release_memory,
     time_bounds,
+    write_parquet_part,
 )
 from .state import PartRef, ShardState, Time
 from .tracing import traced
@@ -230,13 +229,12 @@ class BatchBuilder:
             if self._encoder is None:
                 self._open_arrow(table.schema)
             assert self._encoder is not None
-            room = target - self._encoder.nbytes
-            if table.nbytes <= room:
+            room = self._encoder.rows_room(target, table)
+            if table.num_rows < room:
                 self._encoder.write(table)
                 break
-            rows_fit = max(1, int(table.num_rows * room / max(table.nbytes, 1)))
-            self._encoder.write(table.slice(0, rows_fit))
-            table = table.slice(rows_fit)
+            self._encoder.write(table.slice(0, room))
+            table = table.slice(room)
             self._submit_arrow()
         self._add_upload_s(time.perf_counter() - started)
 
@@ -370,13 +368,19 @@ class BatchBuilder:
         return self._pool
 
     def _upload(self, table: pa.Table) -> PartRef:
+        """Encode a Parquet part into Blob as it is made (``write_parquet_part``) and commit it."""
         started = time.perf_counter()
-        data = encode_parquet(table)
         key = new_part_key(self._shard_id)
-        self._blob.set(key, data)
+        out = self._blob.open_writer(key)
+        try:
+            size, crc = write_parquet_part(table, out)
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
         self._add_upload_s(time.perf_counter() - started)
-        ref = part_ref(table, key, None, len(data), part_checksum(data))
-        del data, table
+        ref = part_ref(table, key, None, size, crc)
+        del table
         release_memory()
         return ref
 

@@ -328,6 +328,34 @@ def test_file_temp_files_are_never_listed_and_failed_sets_leave_nothing(
     ]
 
 
+def test_file_stream_hands_its_bytes_to_writeback_as_it_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long streamed value is handed to the kernel's writeback every WRITEBACK_BYTES while it
+    is written (Linux), so commit's fsync has little left; the value still lands whole."""
+    from pyspark_persist.state.blob import file as file_blob
+
+    if file_blob._SYNC_FILE_RANGE is None:
+        pytest.skip("sync_file_range is Linux-only; elsewhere writeback is the kernel's")
+    calls: list[tuple[int, int]] = []
+    real = file_blob._SYNC_FILE_RANGE
+
+    def recording(fd: int, offset: int, length: int, flags: int) -> int:
+        calls.append((offset, length))
+        return real(fd, offset, length, flags)
+
+    monkeypatch.setattr(file_blob, "_SYNC_FILE_RANGE", recording)
+    monkeypatch.setattr(file_blob, "WRITEBACK_BYTES", MIB)
+    blob = open_blob(f"file://{tmp_path}/blob")
+    pieces = [os.urandom(MIB // 2) for _ in range(5)]
+    writer = blob.open_writer("shard/part-1")
+    for piece in pieces:
+        writer.write(piece)
+    assert calls == [(0, MIB), (MIB, MIB)]
+    writer.commit()
+    assert blob.get("shard/part-1") == b"".join(pieces)
+
+
 def test_file_streamed_write_that_fails_leaves_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

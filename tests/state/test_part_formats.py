@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter_parts
-from pyspark_persist.state.errors import CorruptData, InvalidUsage
+from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
 from pyspark_persist.state.parts import (
     ARROW,
     PARQUET,
@@ -358,6 +358,22 @@ def test_arrow_parts_hold_batches_of_at_most_read_batch_rows(tmp_path: Path) -> 
     c.close()
 
 
+def test_arrow_parts_coalesce_small_inputs_into_full_read_batches(tmp_path: Path) -> None:
+    """Inputs of odd sizes (Spark hands over 10,000-row batches) are stored as batches of
+    exactly ``read_batch_rows`` rows but the part's last, in the order the rows came."""
+    config = PersistConfig(read_batch_rows=1000, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    shard = c.open_shard("odd", SCHEMA)
+    inputs = [rows(n, start) for n, start in [(300, 0), (1450, 300), (7, 1750), (993, 1757)]]
+    (part,) = stage(c, shard, inputs, ARROW).parts
+    data = fetch_part_bytes(c.blob, part, "odd")
+    batches = list(iter_part_batches(data, part, "odd"))
+    assert [b.num_rows for b in batches] == [1000, 1000, 750]
+    got = pa.Table.from_batches(batches).select(SCHEMA.names)
+    assert got.equals(rows(2750))
+    c.close()
+
+
 def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(tmp_path: Path) -> None:
     """Rows of an open Arrow part reach the store as they are added (the builder holds less
     than one read batch of them, not the part); the CRC-32 counted on the way is the stored
@@ -388,6 +404,47 @@ def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(tmp_path
     c.close()
 
 
+def test_conform_checks_every_table_though_its_schema_pair_is_planned_once() -> None:
+    """Updates of the shard's schema become part layout; a second table of the same schema
+    still has its data checked (a null in a non-nullable column), and another schema is still
+    checked on its own (a wrong type refused, a merge-schema write filled with nulls)."""
+    shard = pa.schema([pa.field("id", pa.int64(), nullable=False), ("name", pa.string())])
+    given = pa.table({"id": [1, 2], "name": ["a", None]}, schema=shard)
+    table, has_time = conform_updates(given, shard, "s")
+    assert not has_time and table.column_names == ["id", "name", TIME, DIFF]
+    assert table.column(DIFF).to_pylist() == [1, 1] and table.column(TIME).to_pylist() == [0, 0]
+    nullable = pa.schema([("id", pa.int64()), ("name", pa.string())])
+    conform_updates(pa.table({"id": [3], "name": ["c"]}, schema=nullable), shard, "s")
+    with pytest.raises(InvalidUpdates, match="'id' of shard 's' is non-nullable"):
+        conform_updates(pa.table({"id": [None], "name": ["c"]}, schema=nullable), shard, "s")
+    with pytest.raises(SchemaMismatch):
+        conform_updates(pa.table({"id": ["x"], "name": ["c"]}), shard, "s")
+    reordered = pa.table({"name": ["z"], "id": pa.array([9], pa.int64())})
+    table, _ = conform_updates(reordered, shard, "s")
+    assert table.select(["id", "name"]).to_pylist() == [{"id": 9, "name": "z"}]
+    only_id = pa.table({"id": pa.array([4], pa.int64())})
+    with pytest.raises(SchemaMismatch):
+        conform_updates(only_id, shard, "s")
+    table, _ = conform_updates(only_id, shard, "s", fill_missing=True)
+    assert table.column("name").to_pylist() == [None]
+
+
+def test_parquet_part_streams_into_blob_and_its_crc_verifies(tmp_path: Path) -> None:
+    """A Parquet part is encoded straight into the store (no whole encoded copy is returned to
+    the builder): the CRC-32 counted on the way is the stored object's, and it reads back."""
+    config = PersistConfig(part_target_bytes=1 << 30, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    builder = BatchBuilder(c.blob, "pq", SCHEMA, c.config, allow_inline=False)
+    builder.add(rows(5000))
+    (part,) = builder.finish().parts
+    assert part.fmt == PARQUET and part.rows == 5000
+    data = fetch_part_bytes(c.blob, part, "pq")  # raises CorruptData on a CRC mismatch
+    assert part.size_bytes == len(data)
+    got = pa.Table.from_batches(list(iter_part_batches(data, part, "pq")))
+    assert got.select(SCHEMA.names).equals(rows(5000))
+    c.close()
+
+
 @pytest.mark.parametrize(
     "values",
     [
@@ -411,6 +468,30 @@ def test_string_ranges_equal_arrows_min_max(values: list[str], typ: pa.DataType)
         ref = part_ref(conform_updates(table, schema, "s")[0], "k", None, 1, None, ARROW)
         assert ref.stats is not None
         assert ref.stats["s"] == (min(table.column("s").to_pylist()), max(table["s"].to_pylist()))
+
+
+@pytest.mark.parametrize(
+    ("typ", "values"),
+    [
+        (pa.uint64(), [2**64 - 1, 0, 2**63, 5] * 40),
+        (pa.int64(), [-(2**63), 2**63 - 1, 0, -1] * 40),
+        (pa.int8(), [-128, 127, 3, 0] * 40),
+        (pa.uint16(), [65535, 1, 0, 7] * 40),
+    ],
+)
+def test_integer_ranges_and_time_bounds_are_exact_at_the_type_limits(
+    typ: pa.DataType, values: list[int]
+) -> None:
+    """Integer ranges (and the time range) are exact at each type's limits, for whole and
+    sliced columns of more rows than the small-input path takes."""
+    schema = pa.schema([("n", typ)])
+    for table in (pa.table({"n": pa.array(values, typ)}), pa.table({"n": values[3:-2]}, schema)):
+        times = pa.array([v % 2**64 for v in table.column("n").to_pylist()], pa.uint64())
+        updates = conform_updates(table.append_column(TIME, times), schema, "s")[0]
+        ref = part_ref(updates, "k", None, 1, None, ARROW)
+        got = table.column("n").to_pylist()
+        assert ref.stats is not None and ref.stats["n"] == (min(got), max(got))
+        assert (ref.min_time, ref.max_time) == (min(times.to_pylist()), max(times.to_pylist()))
 
 
 def test_float_range_ignores_nulls_and_a_nan_anywhere_drops_it() -> None:
