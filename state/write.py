@@ -61,6 +61,7 @@ from .parts import (
     encode_schema,
     evolve_schema,
     new_part_key,
+    part_checksum,
     part_ref,
     release_memory,
     time_bounds,
