@@ -326,7 +326,7 @@ def _numeric_view(col: pa.ChunkedArray | pa.Array) -> np.ndarray[Any, Any] | Non
         return None
     arr = chunks[0]
     typ = arr.type
-    if pa.types.is_floating(typ) and typ.bit_width != 16:
+    if pa.types.is_floating(typ):
         kind = "f"
     elif pa.types.is_signed_integer(typ):
         kind = "i"

@@ -479,6 +479,18 @@ def test_integer_ranges_and_time_bounds_are_exact_at_the_type_limits(
         assert (ref.min_time, ref.max_time) == (min(times.to_pylist()), max(times.to_pylist()))
 
 
+@pytest.mark.parametrize("typ", [pa.float16(), pa.float32(), pa.float64()])
+def test_float_ranges_of_every_width_are_exact(typ: pa.DataType) -> None:
+    """Half, single and double floats all get their exact range (read in place by numpy)."""
+    import numpy as np
+
+    values = np.array([1.5, -2.25, 3.0, 0.5] * 40, dtype=typ.to_pandas_dtype())
+    schema = pa.schema([("f", typ)])
+    table = pa.table({"f": pa.array(values, typ)})
+    ref = part_ref(conform_updates(table, schema, "s")[0], "k", None, 1, None, ARROW)
+    assert ref.stats is not None and ref.stats["f"] == (-2.25, 3.0)
+
+
 def test_float_range_ignores_nulls_and_a_nan_anywhere_drops_it() -> None:
     """Float ranges are exact (-0.0 and infinities included); a NaN in any batch drops the
     column's range, nulls are ignored."""
