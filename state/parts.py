@@ -461,6 +461,8 @@ def _column_bounds(col: pa.ChunkedArray | pa.Array) -> tuple[Any, Any] | None:
             values = _equal_width(arr)
             if values is not None:
                 return _extreme_row(values, largest=False), _extreme_row(values, largest=True)
+    if pa.types.is_float16(col.type):
+        return None  # with nulls or in chunks: Arrow's min_max has no half-float kernel
     if pa.types.is_floating(col.type) and pc.any(pc.is_nan(col)).as_py():
         return None
     mm = pc.min_max(col)
