@@ -1,7 +1,8 @@
 """The sink: executors stage parts in ``write()``; the driver commits once in ``commit()``.
 
-Every task of a micro-batch stages its rows as Arrow IPC parts in Blob,
-encoded batch by batch as Spark hands them over (bounded memory: parts of
+Every task of a micro-batch stages its rows as Arrow IPC parts in Blob
+(``arrow-rows``: the row columns only, their time and diff +1 recorded in
+the part's reference), encoded batch by batch as Spark hands them over (bounded memory: parts of
 ``partSizeBytes``, a bounded number uploading; compaction later rewrites
 them as Parquet), and returns a :class:`PersistCommitMessage` naming them; nothing is visible
 yet. A task whose rows are tiny (within ``inline_write_max_bytes`` encoded) writes
@@ -46,6 +47,7 @@ from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.errors import InvalidUsage, ShardNotFound
 from pyspark_persist.state.parts import (
     ARROW,
+    ARROW_ROWS,
     DIFF,
     DIFF_TYPE,
     conform_columns,
@@ -195,9 +197,12 @@ def stage_rows(
     config = PersistConfig(
         part_target_bytes=opts.part_size_bytes or PersistConfig.part_target_bytes
     )
+    # Rows with no _diff of their own are inserts at the commit's one time: their parts
+    # store the row columns only (arrow-rows); a DataFrame carrying _diff stages it too.
     # A task whose rows encode within inline_write_max_bytes stages nothing in Blob: its
     # rows travel in the commit message, and the driver's commit puts them in state.
-    builder = BatchBuilder(blob_for(opts.blob), opts.shard, schema, config, part_format=ARROW)
+    fmt = ARROW if has_diff else ARROW_ROWS
+    builder = BatchBuilder(blob_for(opts.blob), opts.shard, schema, config, part_format=fmt)
     try:
         for rb in batches:
             if rb.num_rows:

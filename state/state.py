@@ -64,8 +64,10 @@ class PartRef:
     crc: int | None = None
     """CRC-32 of the stored bytes: a fetch that does not match is corrupt, never read."""
     fmt: str = "parquet"
-    """How a Blob part is encoded: ``"parquet"``, or ``"arrow"`` (an Arrow IPC stream, what
-    the Spark sink stages: cheaper to write and read; compaction rewrites it as Parquet)."""
+    """How a Blob part is encoded: ``"parquet"``; ``"arrow"`` (an Arrow IPC stream: cheaper to
+    write and read); or ``"arrow-rows"`` (an Arrow IPC stream of the row columns only, every
+    update an insert at ``min_time``: what the Spark sink stages). Compaction rewrites Arrow
+    parts as Parquet."""
 
     @property
     def effective_dmin(self) -> int | None:

@@ -5,10 +5,12 @@ A write has two halves that may run in different processes:
 1. *Staging*: a :class:`BatchBuilder` cuts updates into parts of about
    ``part_target_bytes`` and uploads them to Blob, at most
    ``max_outstanding_parts`` at a time, so memory stays within
-   ``B * (2N + 1)`` whatever the data size. Parts are Parquet, or with
-   ``part_format="arrow"`` (the Spark sink) Arrow IPC streams written to Blob
-   as the updates arrive (:meth:`~.blob.Blob.open_writer`), so no part is held
-   whole, as a table or as bytes, where the store takes a stream (a file). The result, a
+   ``B * (2N + 1)`` whatever the data size. Parts are Parquet, encoded into
+   Blob as they are made, or with ``part_format="arrow"`` Arrow IPC streams
+   written to Blob as the updates arrive (:meth:`~.blob.Blob.open_writer`), so
+   no Arrow part is held whole, as a table or as bytes, where the store takes a
+   stream (a file). ``part_format="arrow-rows"`` (the Spark sink's, for inserts
+   at one time) stores only the row columns of such a stream. The result, a
    :class:`StagedBatch`, is a small JSON-able value: nothing is visible yet.
 2. *Commit*: :meth:`WriteHandle.compare_and_append_batches` makes any number
    of staged batches visible in one state change, iff the shard's upper is
@@ -50,6 +52,7 @@ from .errors import (
 from .machine import Machine, RunInfo
 from .parts import (
     ARROW,
+    ARROW_ROWS,
     MAX_TIME,
     PARQUET,
     PART_FORMATS,
@@ -182,7 +185,7 @@ class BatchBuilder:
                 "some updates given to one batch carry a _time column and some do not; "
                 "give every update a _time, or none (the commit then assigns one)"
             )
-        if self._format == ARROW:
+        if self._format in (ARROW, ARROW_ROWS):
             if self._inline_limit > 0 and self._encoder is None and not self._done:
                 # Nothing streamed yet: hold tiny updates back, they may be the whole write
                 # and then ride inline (no Blob object, no upload at all).
@@ -240,10 +243,12 @@ class BatchBuilder:
         self._add_upload_s(time.perf_counter() - started)
 
     def _open_arrow(self, schema: pa.Schema) -> None:
-        key = new_part_key(self._shard_id, ARROW)
+        key = new_part_key(self._shard_id, self._format)
         out = self._blob.open_writer(key)
         try:
-            self._encoder = ArrowPartEncoder(schema, out, self._config.read_batch_rows)
+            self._encoder = ArrowPartEncoder(
+                schema, out, self._config.read_batch_rows, rows_only=self._format == ARROW_ROWS
+            )
         except BaseException:
             out.abort()
             raise
@@ -260,7 +265,7 @@ class BatchBuilder:
         except BaseException:
             out.abort()
             raise
-        ref = encoder.stats.ref(key, None, size, crc, ARROW)
+        ref = encoder.stats.ref(key, None, size, crc, self._format)
         del encoder
         if last and self._pool is None:
             # The only part (a small write): nothing to overlap its commit with, so no
@@ -292,7 +297,7 @@ class BatchBuilder:
         if self._finished:
             raise InvalidUsage("this batch builder was already finished or aborted")
         try:
-            if self._buffer and self._format == ARROW:
+            if self._buffer and self._format in (ARROW, ARROW_ROWS):
                 # Every update was held back as tiny: inline if it encodes small enough.
                 table = self._take_buffer()
                 encoded = encode_inline(table)

@@ -104,6 +104,31 @@ def test_replayed_batch_is_already_committed_and_applied_once(tmp_path: Path) ->
     assert len(lines) == 3
 
 
+def test_sink_stages_inserts_as_rows_only_and_a_diff_column_as_arrow(tmp_path: Path) -> None:
+    """A micro-batch of plain rows stages arrow-rows parts (the commit's time and diff +1 are
+    in the part's reference, not on disk) and reads back with its commit time; a DataFrame
+    carrying its own _diff stages full Arrow parts, retractions included."""
+    shard = f"rowsonly-{uuid.uuid4().hex[:8]}"
+    w = _writer(shard, _checkpoint(tmp_path / "ckpt", str(uuid.uuid4())))
+    w.commit([_stage(w, range(0, 10))], 0)
+    state = PersistClient.open().open_shard(shard, create=False).state()
+    (part,) = [p for b in state.trace for p in b.parts]
+    assert part.fmt == "arrow-rows" and part.ts_rewrite is not None
+    assert _ids(shard) == list(range(10))
+
+    with_diff = StructType([*SCHEMA.fields, StructField("_diff", LongType())])
+    opts = PersistOptions.parse({"path": shard, "writerId": "diffs"}, "write")
+    batch = PersistBatchWriter(opts, with_diff, False)
+    rb = pa.RecordBatch.from_pydict(
+        {"id": pa.array([3, 4], pa.int64()), "name": ["n3", "n4"], "_diff": [-1, -1]}
+    )
+    batch.commit([batch.write(iter([rb]))])
+    state = PersistClient.open().open_shard(shard, create=False).state()
+    assert {p.fmt for b in state.trace for p in b.parts} == {"arrow-rows", "arrow"}
+    table = PersistClient.open().open_shard(shard, create=False).reader().snapshot_table()
+    assert sorted(table.column("id").to_pylist()) == [0, 1, 2, 5, 6, 7, 8, 9]
+
+
 def test_new_checkpoint_is_a_new_writer_and_its_batch_0_is_written(tmp_path: Path) -> None:
     """A second query (other checkpoint) on the same shard is not mistaken for a replay."""
     shard = f"twoq-{uuid.uuid4().hex[:8]}"

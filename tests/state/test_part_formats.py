@@ -22,6 +22,7 @@ from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter
 from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
 from pyspark_persist.state.parts import (
     ARROW,
+    ARROW_ROWS,
     PARQUET,
     LeasedPart,
     PartStats,
@@ -231,12 +232,62 @@ def test_small_parts_are_fetched_without_a_prefetch_thread(
     assert len(pools) == 1
 
 
-def test_compaction_rewrites_arrow_parts_as_parquet(client: Any) -> None:
+def test_arrow_rows_parts_store_only_the_rows_and_read_as_every_other_format(
+    client: Any,
+) -> None:
+    """An insert-only batch staged as arrow-rows stores the row columns alone; snapshots,
+    listen-style reads (the commit's time on every row), an atomic replace that retracts it
+    by reference, and reads beside Parquet and Arrow parts all see the same updates."""
+    shard = client.open_shard("rows", SCHEMA)
+    writer = shard.writer()
+    inserts = stage(client, shard, [rows(700, i * 700) for i in range(3)], ARROW_ROWS)
+    assert inserts.parts and {p.fmt for p in inserts.parts} == {ARROW_ROWS}
+    for part in inserts.parts:
+        assert part.key is not None and part.key.endswith(".arrow-rows")
+        stored = pa.ipc.open_stream(pa.py_buffer(client.blob.get(part.key))).read_all()
+        assert stored.column_names == SCHEMA.names  # no _time, no _diff on disk
+        assert (part.min_time, part.max_time, part.dmin, part.dmax) == (0, 0, 1, 1)
+    old = stage(client, shard, [rows(300, 2100)], PARQUET)
+    new = stage(client, shard, [rows(300, 2400)], ARROW)
+    writer.compare_and_append_batches([inserts], 0, 8, ts_rewrite=7)
+    writer.compare_and_append_batches([old, new], 8, 9, ts_rewrite=8)
+    expected = as_counter(rows(2700).append_column(DIFF, pa.repeat(1, 2700)))
+    assert as_counter(shard.reader().snapshot_table(8)) == expected
+    state = shard.state()
+    leased = [
+        LeasedPart(state.shard_id, client.blob.uri, p, 0, 9, None, state.seqno)
+        for b in state.trace
+        for p in b.parts
+    ]
+    table = pa.concat_tables(iter_parts(client.blob, leased))
+    assert sorted(Counter(table.column(TIME).to_pylist()).items()) == [(7, 2100), (8, 600)]
+    assert set(table.column(DIFF).to_pylist()) == {1}
+    replacement = stage(client, shard, [rows(5, 9000)], ARROW_ROWS)
+    writer.compare_and_append_batches([replacement], 9, 10, ts_rewrite=9, replace=True)
+    assert as_counter(shard.reader().snapshot_table(9)) == as_counter(
+        rows(5, 9000).append_column(DIFF, pa.repeat(1, 5))
+    )
+
+
+def test_arrow_rows_refuses_updates_that_are_not_inserts_at_one_time(client: Any) -> None:
+    """Only inserts at one time fit an arrow-rows part: a retraction, or a second time, is
+    refused before anything is committed, and the builder leaves nothing behind."""
+    shard = client.open_shard("not-inserts", SCHEMA)
+    retraction = rows(10).append_column(DIFF, pa.array([-1] * 10, pa.int64()))
+    two_times = rows(10).append_column(TIME, pa.array([0] * 5 + [1] * 5, pa.uint64()))
+    for updates in (retraction, two_times):
+        with pytest.raises(InvalidUsage, match="arrow-rows part holds inserts"):
+            stage(client, shard, [updates], ARROW_ROWS)
+    assert not list(client.blob.list_keys("not-inserts/"))
+
+
+@pytest.mark.parametrize("fmt", [ARROW, ARROW_ROWS])
+def test_compaction_rewrites_arrow_parts_as_parquet(client: Any, fmt: str) -> None:
     """Compaction turns the sink's Arrow parts into Parquet ones; the contents stay the same."""
     shard = client.open_shard("compact", SCHEMA)
     writer = shard.writer()
     for t in range(3):
-        staged = stage(client, shard, [rows(500, t * 500)], ARROW)
+        staged = stage(client, shard, [rows(500, t * 500)], fmt)
         writer.compare_and_append_batches([staged], t, t + 1, ts_rewrite=t)
     before = as_counter(shard.reader().snapshot_table(2))
     reports = shard.compact()
@@ -492,6 +543,22 @@ def test_integer_ranges_and_time_bounds_are_exact_at_the_type_limits(
         got = table.column("n").to_pylist()
         assert ref.stats is not None and ref.stats["n"] == (min(got), max(got))
         assert (ref.min_time, ref.max_time) == (min(times.to_pylist()), max(times.to_pylist()))
+
+
+@pytest.mark.parametrize("typ", [pa.float16(), pa.float32(), pa.float64()])
+def test_float_ranges_of_every_width_are_exact(typ: pa.DataType) -> None:
+    """Half, single and double floats all get their exact range (read in place by numpy)."""
+    import numpy as np
+
+    values = np.array([1.5, -2.25, 3.0, 0.5] * 40, dtype=typ.to_pandas_dtype())
+    schema = pa.schema([("f", typ)])
+    table = pa.table({"f": pa.array(values, typ)})
+    ref = part_ref(conform_updates(table, schema, "s")[0], "k", None, 1, None, ARROW)
+    assert ref.stats is not None and ref.stats["f"] == (-2.25, 3.0)
+    with_null = pa.table({"f": pa.array([*values[:3], None], typ)})
+    ref = part_ref(conform_updates(with_null, schema, "s")[0], "k", None, 1, None, ARROW)
+    assert ref.stats is not None
+    assert ref.stats.get("f") in (None, (-2.25, 3.0))  # no range beats a wrong one
 
 
 def test_float_range_ignores_nulls_and_a_nan_anywhere_drops_it() -> None:

@@ -7,6 +7,8 @@ session.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pyspark.sql import SparkSession
 
 from pyspark_persist.schema import read_schema
@@ -58,3 +60,25 @@ def test_discard_sink_runs_a_spark_write(spark: SparkSession) -> None:
     """``df.write.format(DISCARD)`` runs to the end in Spark."""
     spark.dataSource.register(DiscardSink)
     spark.range(0, 5000, numPartitions=2).write.format(DISCARD).mode("append").save()
+
+
+def test_discard_sink_runs_spark_write_streams_like_the_bench_discard_stream_peer(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The "discard stream" peer of ``persist bench spark-write`` (a file source, AvailableNow,
+    into the discarding streaming sink) runs to the end and reads every input row."""
+    spark.dataSource.register(DiscardSink)
+    source = str(tmp_path / "source")
+    df = spark.range(0, 5000, numPartitions=2).selectExpr("id", "id * 0.5 AS x")
+    df.write.parquet(source)
+    query = (
+        spark.readStream.schema(df.schema)
+        .parquet(source)
+        .writeStream.format(DISCARD)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start("discard")
+    )
+    query.awaitTermination()
+    assert query.exception() is None
+    assert sum(p["numInputRows"] for p in query.recentProgress) == 5000

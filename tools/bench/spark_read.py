@@ -3,8 +3,8 @@
 Run it as ``persist bench spark-read`` or ``python -m pyspark_persist.tools.bench.spark_read``
 (``--size-mib`` default 1024, ``--quick`` for a smoke run, ``--json``). It generates
 ``--size-mib`` MiB (Arrow bytes) of rows ``(id int64, x float64, s 32-char string)``
-once, writes them to two persist shards (Python API, Arrow parts as the Spark sink
-stages them): *appended* (one commit) and *overwritten* (a commit, then the same rows
+once, writes them to two persist shards (Python API, ``arrow-rows`` parts as the Spark
+sink stages them): *appended* (one commit) and *overwritten* (a commit, then the same rows
 again as an atomic replace, so its state also references the retracted parts), and as
 Parquet files (pyarrow, same part size, snappy); then in one local Spark session
 (``local[cores]``) times full scans (``selectExpr("sum(id)", "sum(x)", "sum(length(s))")``,
@@ -109,7 +109,7 @@ def generate(rows: int, start: int) -> pa.Table:
 def write_data(opts: Options, home: str, parquet_dir: str) -> tuple[int, int]:
     """Write the same rows to both shards and to Parquet files; (rows, Arrow bytes)."""
     from pyspark_persist.state import PersistClient, PersistConfig
-    from pyspark_persist.state.parts import ARROW
+    from pyspark_persist.state.parts import ARROW_ROWS
     from pyspark_persist.state.write import BatchBuilder
 
     config = PersistConfig(part_target_bytes=opts.part_mib * MiB, maintenance=False)
@@ -124,7 +124,7 @@ def write_data(opts: Options, home: str, parquet_dir: str) -> tuple[int, int]:
             SCHEMA,
             config,
             allow_inline=False,
-            part_format=ARROW,
+            part_format=ARROW_ROWS,
         )
         for shard in (shards[0], shards[1], shards[1])
     ]

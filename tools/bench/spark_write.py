@@ -14,7 +14,9 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   of Spark's Python Data Source API: a sink that receives the same rows and
   discards them (``ceiling.py``; no Python sink can write faster). Then a
   streaming append: a file source over the Parquet copy, ``Trigger.AvailableNow``,
-  into the persist sink and into Spark's Parquet file sink. The writers run
+  into the persist sink, into Spark's Parquet file sink, and into the discarding
+  sink's streaming form (the ceiling of a Python streaming sink: its micro-batch
+  commits cost what any Python sink's do). The writers run
   in turn, ROUNDS times (the first round also starts their workers), and each
   writer's best round counts. Rows/s and MiB/s of each (MiB = the rows' Arrow
   bytes, 52 a row), the least CPU seconds a round cost (Spark's JVM and Python
@@ -113,6 +115,8 @@ class Report:
     """Each persist write mode's rows/s over its peer's (see PEERS)."""
     ceiling_write_ratio: float = 0.0
     """The discarding Python sink's throughput over Parquet's: the API's own limit."""
+    ceiling_stream_ratio: float = 0.0
+    """The discarding Python streaming sink's over Parquet's file sink: the streaming limit."""
     latency_ratio: float = 0.0
     floor_latency_ratio: float = 0.0
     """The one-hop floor's p50 over the file pipeline's."""
@@ -251,6 +255,7 @@ def _throughput(
         "discard": lambda: df.write.format(DISCARD).mode("append").save(),
         "persist stream": lambda: stream("persist", opts, f"stream-{tag}"),
         "parquet stream": parquet_stream,
+        "discard stream": lambda: stream(DISCARD, {}, "discard"),
     }
     best = dict.fromkeys(writers, float("inf"))
     least_cpu: dict[str, float] = {}
@@ -408,6 +413,9 @@ def run(ns: argparse.Namespace) -> Report:
             report.ceiling_write_ratio = round(
                 by["discard"].rows_per_s / by["parquet"].rows_per_s, 3
             )
+            report.ceiling_stream_ratio = round(
+                by["discard stream"].rows_per_s / by["parquet stream"].rows_per_s, 3
+            )
             report.targets["write_throughput_vs_parquet"] = report.write_ratio >= THROUGHPUT_TARGET
         if not ns.skip_latency:
             for kind in ("persist", "parquet", "floor"):
@@ -450,6 +458,10 @@ def render(report: Report) -> str:
         lines.append(
             f"  discard/parquet = {report.ceiling_write_ratio:.2f}x (the most any "
             "Python sink reaches here)"
+        )
+        lines.append(
+            f"  discard stream/parquet stream = {report.ceiling_stream_ratio:.2f}x (the most "
+            "any Python streaming sink reaches here)"
         )
     if report.latency:
         lines.append("\nWrite-to-visible latency (ms):")
