@@ -484,16 +484,22 @@ def release_memory() -> None:
     pa.default_memory_pool().release_unused()
 
 
-def encode_parquet(table: pa.Table) -> memoryview:
-    """Encode a part table as Parquet (a view of Arrow's buffer: no copy into ``bytes``).
+def write_parquet(table: pa.Table, out: BlobWriter) -> tuple[int, int]:
+    """Encode a part table as Parquet into ``out``; the part's size and CRC-32 (not committed).
 
-    No page checksums: the part's whole-object CRC-32 (``PartRef.crc``, checked on
-    every fetch) already catches any flipped or missing byte, and page checksums
-    cost about a tenth of the encode and a fifth of the decode on top of it.
+    The bytes stream to the Blob writer as the Parquet writer emits them, so the
+    writer never holds the encoded part in one growing buffer: that buffer
+    doubled its way to the part's size (the last doubling copies it), so a
+    64 MiB part took 149 MiB of peak RSS to encode where streaming it to a
+    file takes 82 (one part, fresh processes), the bulk of the writer's excess
+    over its memory model. No page checksums: the part's whole-object CRC-32
+    (``PartRef.crc``, checked on every fetch) already catches any flipped or
+    missing byte, and page checksums cost about a tenth of the encode and a
+    fifth of the decode on top of it.
     """
-    sink = pa.BufferOutputStream()
+    sink = _ChecksumSink(out)
     pq.write_table(table, sink, compression="snappy", write_statistics=True)
-    return memoryview(sink.getvalue())
+    return sink.size, sink.crc
 
 
 ARROW_COMPRESSION: str | None = None

@@ -57,14 +57,13 @@ from .parts import (
     conform_updates,
     decode_schema,
     encode_inline,
-    encode_parquet,
     encode_schema,
     evolve_schema,
     new_part_key,
-    part_checksum,
     part_ref,
     release_memory,
     time_bounds,
+    write_parquet,
 )
 from .state import PartRef, ShardState, Time
 from .tracing import traced
@@ -352,12 +351,17 @@ class BatchBuilder:
 
     def _upload(self, table: pa.Table) -> PartRef:
         started = time.perf_counter()
-        data = encode_parquet(table)
         key = new_part_key(self._shard_id)
-        self._blob.set(key, data)
+        out = self._blob.open_writer(key)
+        try:
+            size, crc = write_parquet(table, out)
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
         self._add_upload_s(time.perf_counter() - started)
-        ref = part_ref(table, key, None, len(data), part_checksum(data))
-        del data, table
+        ref = part_ref(table, key, None, size, crc)
+        del table
         release_memory()
         return ref
 
