@@ -11,6 +11,13 @@ statement; on PostgreSQL (autocommit) it is sent after the pool's pre-ping of th
 connection, so it costs two round trips (the ping is what tells a connection a
 server restart broke, to be discarded, from a CaS whose outcome is unknown).
 
+The compare-and-set, the one statement on every write's path, runs straight on
+the driver's connection (the statement compiled by SQLAlchemy once): SQLite's
+on one connection kept checked out for it, PostgreSQL's on one the pool hands
+out (pre-pinged). SQLAlchemy's per-call connection, transaction and result
+objects cost about as much as SQLite's own work. Everything else goes through
+SQLAlchemy Core.
+
 The table is created by the first compare_and_set into a database that
 lacks it (``CREATE TABLE IF NOT EXISTS``); opening a store (which touches
 PostgreSQL not at all, and opens or creates a SQLite file) and every read
@@ -196,12 +203,6 @@ class _Statements:
 _OPEN: weakref.WeakSet[SqlConsensus] = weakref.WeakSet()
 
 
-def _compiled(stmt: Any, engine: Engine) -> tuple[str, tuple[str, ...]]:
-    """``stmt`` as the SQL the engine's driver runs, and its positional parameters' names."""
-    compiled = stmt.compile(dialect=engine.dialect)
-    return compiled.string, tuple(compiled.positiontup or ())
-
-
 def _dispose_after_fork() -> None:
     """Drop (without closing) pooled connections a forked child inherited from its parent.
 
@@ -236,11 +237,8 @@ class SqlConsensus(Consensus):
         self._cas_lock = threading.Lock()
         self._cas_connection: PoolProxiedConnection | None = None
         """SQLite: the pooled connection compare-and-sets run on, kept checked out."""
-        self._sqlite_cas = {
-            new_key: _compiled(stmt, engine)
-            for new_key, stmt in ((False, self._stmts.cas), (True, self._stmts.cas_new_key))
-        }
-        """SQLite: the CaS statements (existing key, new key) as SQL and parameter names."""
+        self._compiled: dict[int, tuple[Any, str, tuple[str, ...] | None]] = {}
+        """Statements run on the driver directly, by id: (statement, SQL, positional names)."""
         _OPEN.add(self)
         if self._sqlite:
             # Open the file now (creating it, as an embedded store should), so a path
@@ -327,13 +325,10 @@ class SqlConsensus(Consensus):
                 # and our INSERT: it won, we did not write.
                 return False
 
+        sql, names = self._driver_sql(stmt)
+        args = params if names is None else tuple(params[n] for n in names)
         what = f"compare_and_set on {key!r}"
-        if self._sqlite:
-            sql, names = self._sqlite_cas[expected is None]
-            args = tuple(params[n] for n in names)
-            committed = self._run(work, write=True, what=what, cas=True, sqlite_cas=(sql, args))
-        else:
-            committed = self._run(work, write=True, what=what, cas=True)
+        committed = self._run(work, write=True, what=what, cas=True, direct=(sql, args))
         if committed:
             return CaSCommitted()
         return CaSMismatch(self._head_seqno(key))
@@ -426,7 +421,7 @@ class SqlConsensus(Consensus):
         what: str,
         cas: bool = False,
         no_table: Callable[[], T] | None = None,
-        sqlite_cas: tuple[str, tuple[Any, ...]] | None = None,
+        direct: tuple[str, Any] | None = None,
     ) -> T:
         """Run ``work`` in one transaction, retrying transient failures (:mod:`..retry`).
 
@@ -435,13 +430,16 @@ class SqlConsensus(Consensus):
         write is idempotent or guarded, so its transient failures are retried
         like reads'. ``no_table``: the answer of a read when the table does
         not exist yet (it is created by the first compare_and_set, so opening
-        a store, and every read, needs only SELECT). ``sqlite_cas``: the CaS's
-        SQL and arguments, run by :meth:`_sqlite_cas_attempt` instead of ``work``.
+        a store, and every read, needs only SELECT). ``direct``: the CaS's SQL
+        and arguments, run by :meth:`_direct_cas_attempt` instead of ``work``.
         """
 
         def attempt() -> T:
-            if sqlite_cas is not None:
-                return cast(T, self._sqlite_cas_attempt(*sqlite_cas))
+            if direct is not None:
+                attempt_cas = (
+                    self._sqlite_cas_attempt if self._sqlite else self._postgres_cas_attempt
+                )
+                return cast(T, attempt_cas(*direct))
             try:
                 conn = self._engine.connect()
             except SQLAlchemyError as exc:
@@ -499,7 +497,64 @@ class SqlConsensus(Consensus):
                 ) from exc
             raise self._unavailable(what, exc) from exc
 
-    def _sqlite_cas_attempt(self, sql: str, args: tuple[Any, ...]) -> bool:
+    def _driver_sql(self, stmt: Any) -> tuple[str, tuple[str, ...] | None]:
+        """``stmt`` as the SQL the driver runs and its positional parameters' names (None:
+        named), compiled once per statement."""
+        entry = self._compiled.get(id(stmt))
+        if entry is None or entry[0] is not stmt:
+            compiled = stmt.compile(dialect=self._engine.dialect)
+            names = None if compiled.positiontup is None else tuple(compiled.positiontup)
+            entry = self._compiled[id(stmt)] = (stmt, compiled.string, names)
+        return entry[1], entry[2]
+
+    def _checkout(self) -> PoolProxiedConnection:
+        """A pooled driver connection (pinged first on PostgreSQL); a failure is ``sent=False``.
+
+        The pool raises the driver's own errors (``Engine.connect`` wraps them):
+        they are wrapped here as SQLAlchemy's, so they are classified alike.
+        """
+        dbapi = self._engine.dialect.loaded_dbapi
+        try:
+            return self._engine.raw_connection()
+        except SQLAlchemyError as exc:
+            raise _Failed(exc, self._detail(exc), sent=False) from exc
+        except dbapi.Error as e:
+            error = DBAPIError.instance(None, None, e, dbapi.Error)
+            raise _Failed(error, self._detail(error), sent=False) from e
+
+    def _postgres_cas_attempt(self, sql: str, args: Any) -> bool:
+        """One PostgreSQL compare-and-set straight on a pooled psycopg connection.
+
+        The checkout is the pool's, pre-ping included, so a connection a
+        server restart broke is replaced before the statement is sent (a
+        failure there is ``sent=False``: surely not applied). Then one
+        autocommit statement, without SQLAlchemy's per-call connection,
+        transaction and result objects. A connection that failed is discarded.
+        """
+        fairy = self._checkout()
+        conn = fairy.driver_connection
+        assert conn is not None
+        dbapi = self._engine.dialect.loaded_dbapi
+        try:
+            try:
+                return int(conn.execute(sql, args).rowcount) == 1
+            except dbapi.IntegrityError:
+                return False  # a racer inserted this (shard, seqno) first: it won
+            except dbapi.Error as e:
+                disconnect = self._engine.dialect.is_disconnect(e, conn, None)
+                error = DBAPIError.instance(
+                    sql, args, e, dbapi.Error, connection_invalidated=disconnect
+                )
+                if disconnect or self._kind(error) == _TRANSIENT:
+                    fairy.invalidate()
+                raise _Failed(error, self._detail(error), sent=True) from e
+            except BaseException:
+                fairy.invalidate()  # state unknown: never reuse it
+                raise
+        finally:
+            fairy.close()  # back to the pool (a no-op once invalidated)
+
+    def _sqlite_cas_attempt(self, sql: str, args: Any) -> bool:
         """One SQLite compare-and-set on the connection kept checked out for them.
 
         What the general attempt does (BEGIN IMMEDIATE, the conditional
@@ -511,11 +566,7 @@ class SqlConsensus(Consensus):
         with self._cas_lock:
             fairy = self._cas_connection
             if fairy is None:
-                try:
-                    fairy = self._engine.raw_connection()
-                except SQLAlchemyError as exc:
-                    raise _Failed(exc, self._detail(exc), sent=False) from exc
-                self._cas_connection = fairy
+                fairy = self._cas_connection = self._checkout()
             conn = fairy.driver_connection
             assert isinstance(conn, sqlite3.Connection)
             sent = False
