@@ -110,7 +110,7 @@ def test_sink_stages_inserts_as_rows_only_and_a_diff_column_as_arrow(tmp_path: P
     carrying its own _diff stages full Arrow parts, retractions included."""
     shard = f"rowsonly-{uuid.uuid4().hex[:8]}"
     w = _writer(shard, _checkpoint(tmp_path / "ckpt", str(uuid.uuid4())))
-    w.commit([_stage(w, range(0, 10))], 0)
+    w.commit([_stage(w, range(0, 10), pad=3000)], 0)  # past the inline limit: in Blob
     state = PersistClient.open().open_shard(shard, create=False).state()
     (part,) = [p for b in state.trace for p in b.parts]
     assert part.fmt == "arrow-rows" and part.ts_rewrite is not None
@@ -120,7 +120,11 @@ def test_sink_stages_inserts_as_rows_only_and_a_diff_column_as_arrow(tmp_path: P
     opts = PersistOptions.parse({"path": shard, "writerId": "diffs"}, "write")
     batch = PersistBatchWriter(opts, with_diff, False)
     rb = pa.RecordBatch.from_pydict(
-        {"id": pa.array([3, 4], pa.int64()), "name": ["n3", "n4"], "_diff": [-1, -1]}
+        {
+            "id": pa.array([3, 4], pa.int64()),
+            "name": [f"n{i}" + "x" * 3000 for i in (3, 4)],
+            "_diff": [-1, -1],
+        }
     )
     batch.commit([batch.write(iter([rb]))])
     state = PersistClient.open().open_shard(shard, create=False).state()
