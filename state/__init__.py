@@ -16,8 +16,9 @@ have been compacted, so reads must be at or after it).
 The data lives in two stores with two small contracts:
 
 - **Blob** (:mod:`.blob`): write-once bytes under keys, ``file://`` (the
-  embedded default), ``s3://`` or ``mem://``. Parts (Parquet files of updates)
-  and rollups (full states) live here.
+  embedded default), ``s3://`` or ``mem://``. Parts (files of updates: Parquet,
+  Arrow IPC, or Arrow IPC of the row columns alone for inserts at one time,
+  each part's reference naming its format) and rollups (full states) live here.
 - **Consensus** (:mod:`.consensus`): a linearizable log per shard, one row per
   SeqNo, changed only by compare-and-set; ``sqlite://`` (the embedded
   default), ``postgresql://`` or ``mem://``. Each row holds a state *diff*.
@@ -33,8 +34,8 @@ operation retries transient failures (a restarting PostgreSQL, an S3 blip)
 until ``retry_timeout_s``, by one policy (:mod:`.retry`) that also logs any
 wait longer than a few seconds.
 
-Writing is two-phase: any number of processes stage Parquet parts
-(:class:`~.write.BatchBuilder`, bounded memory), then one
+Writing is two-phase: any number of processes stage parts
+(:class:`~.write.BatchBuilder`, bounded memory, streamed into Blob), then one
 :meth:`~.write.WriteHandle.compare_and_append_batches` makes them all
 visible atomically at ``[expected_upper, new_upper)``. Tiny writes skip Blob
 and ride inline in the state diff, which is how a small write costs one
