@@ -67,6 +67,7 @@ from .parts import (
     LeasedPart,
     consolidate,
     decode_schema,
+    int_scalar,
     part_key_created_ms,
     with_times,
 )
@@ -196,7 +197,7 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config, allow_inline=False)
     rows_out = 0
     if table is not None and table.num_rows:
-        times = pc.max_element_wise(table.column(TIME), pa.scalar(since, TIME_TYPE))
+        times = pc.max_element_wise(table.column(TIME), int_scalar(since, TIME_TYPE))
         table = with_times(table, times)
         table = consolidate(table, schema.names)
         rows_out = table.num_rows

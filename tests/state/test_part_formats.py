@@ -457,3 +457,40 @@ assert ranges == {"x": (0.0, (n - 1) * 0.5), "s": ("abcd", "abcd")}
 assert "pandas" not in sys.modules, "staging imported pandas"
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_committing_and_reading_sink_parts_import_no_pandas() -> None:
+    """The Spark sink's parts (inline, read with a ts_rewrite) committed and read back,
+    filtered to a time range as a listen reads them, stay off pandas: a Spark read worker's
+    first listen read used to import it (``pa.scalar``, ~0.2 s holding the GIL)."""
+    code = """
+import sys
+import numpy as np
+import pyarrow as pa
+from pyspark_persist.state import PersistClient, PersistConfig, iter_parts
+from pyspark_persist.state.parts import ARROW, LeasedPart
+from pyspark_persist.state.write import BatchBuilder
+config = PersistConfig(maintenance=False)
+client = PersistClient.open("mem://nopandas", "mem://nopandas", config=config)
+schema = pa.schema([("id", pa.int64())])
+shard = client.open_shard("s", schema)
+writer = shard.writer()
+for t in range(4):
+    ids = np.arange(t * 10, t * 10 + 10, dtype=np.int64)
+    table = pa.Table.from_arrays(
+        [pa.Array.from_buffers(pa.int64(), 10, [None, pa.py_buffer(ids)])], schema=schema
+    )
+    builder = BatchBuilder(client.blob, "s", schema, config, part_format=ARROW)
+    builder.add(table)
+    writer.compare_and_append_batches([builder.finish()], t, t + 1, ts_rewrite=t)
+state = shard.state()
+leased = [
+    LeasedPart("s", client.blob.uri, p, 2, 3, None, state.seqno)
+    for b in state.trace
+    for p in b.parts
+]
+got = pa.concat_tables(iter_parts(client.blob, leased))
+assert "pandas" not in sys.modules, "a commit or a read imported pandas"
+assert sorted(got.column("id").to_pylist()) == list(range(20, 30)), got
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
