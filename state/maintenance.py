@@ -68,6 +68,7 @@ from .parts import (
     LeasedPart,
     consolidate,
     decode_schema,
+    int_scalar,
     part_key_created_ms,
     with_times,
 )
@@ -203,9 +204,14 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config, allow_inline=False)
     rows_out = 0
     if table is not None and table.num_rows:
-        times = pc.max_element_wise(table.column(TIME), pa.scalar(since, TIME_TYPE))
+        times = pc.max_element_wise(table.column(TIME), int_scalar(since, TIME_TYPE))
         table = with_times(table, times)
-        table = consolidate(table, schema.names)
+        if any(p.effective_dmin is None or p.effective_dmin < 0 for p in parts):
+            table = consolidate(table, schema.names)  # retractions may cancel insertions
+        # Else insert-only: summing equal updates would only fold duplicates together (the
+        # same multiset), and its group_by loads Arrow's acero, and pandas with it, into the
+        # committing process (a Spark sink's committer: ~0.2 s holding the GIL its next
+        # commit waits for, seconds on a busy machine).
         rows_out = table.num_rows
         builder.add(table)
     staged = builder.finish()

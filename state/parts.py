@@ -940,6 +940,14 @@ def constant_column(value: int, rows: int, typ: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(typ, rows, [None, pa.py_buffer(values)])
 
 
+def int_scalar(value: int, typ: pa.DataType) -> pa.Scalar:
+    """The integer ``value`` as a ``typ`` scalar for compute kernels, without pandas (which
+    ``pa.scalar`` and a plain Python operand import: ~0.2 s, holding the GIL, in a process
+    that needs it for nothing else; a profile of the Spark sink's committer had that import
+    in its first compaction at a third of the pipeline's Python CPU)."""
+    return constant_column(value, 1, typ)[0]
+
+
 def shape_updates(
     table: pa.Table | pa.RecordBatch, leased: LeasedPart, time_type: pa.DataType = TIME_TYPE
 ) -> pa.Table:
@@ -962,13 +970,13 @@ def shape_updates(
         if part.min_time == part.max_time:  # one time (a sink's part): a shared constant
             times = constant_column(part.effective_min_time, table.num_rows, TIME_TYPE)
         else:
-            times = pc.max_element_wise(table.column(TIME), pa.scalar(part.ts_rewrite, TIME_TYPE))
+            times = pc.max_element_wise(table.column(TIME), int_scalar(part.ts_rewrite, TIME_TYPE))
         table = with_times(table, times)
     if leased.needs_filter:
         t = table.column(TIME)
         mask = pc.and_(
-            pc.greater_equal(t, pa.scalar(leased.lower, TIME_TYPE)),
-            pc.less(t, pa.scalar(leased.upper, TIME_TYPE)),
+            pc.greater_equal(t, int_scalar(leased.lower, TIME_TYPE)),
+            pc.less(t, int_scalar(leased.upper, TIME_TYPE)),
         )
         table = table.filter(mask)
     if part.negate:
@@ -997,4 +1005,4 @@ def consolidate(table: pa.Table, row_columns: list[str]) -> pa.Table:
         [*(grouped.column(k) for k in keys), grouped.column(f"{DIFF}_sum")],
         schema=table.schema,
     )
-    return out.filter(pc.not_equal(out.column(DIFF), 0))
+    return out.filter(pc.not_equal(out.column(DIFF), int_scalar(0, DIFF_TYPE)))

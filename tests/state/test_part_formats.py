@@ -605,3 +605,78 @@ assert ranges == {"x": (0.0, (n - 1) * 0.5), "s": ("abcd", "abcd")}
 assert "pandas" not in sys.modules, "staging imported pandas"
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_committing_and_reading_sink_parts_import_no_pandas() -> None:
+    """The Spark sink's parts (inline, read with a ts_rewrite) committed and read back,
+    filtered to a time range as a listen reads them, stay off pandas: a Spark read worker's
+    first listen read used to import it (``pa.scalar``, ~0.2 s holding the GIL)."""
+    code = """
+import sys
+import numpy as np
+import pyarrow as pa
+from pyspark_persist.state import PersistClient, PersistConfig, iter_parts
+from pyspark_persist.state.parts import ARROW, LeasedPart
+from pyspark_persist.state.write import BatchBuilder
+config = PersistConfig(maintenance=False)
+client = PersistClient.open("mem://nopandas", "mem://nopandas", config=config)
+schema = pa.schema([("id", pa.int64())])
+shard = client.open_shard("s", schema)
+writer = shard.writer()
+for t in range(4):
+    ids = np.arange(t * 10, t * 10 + 10, dtype=np.int64)
+    table = pa.Table.from_arrays(
+        [pa.Array.from_buffers(pa.int64(), 10, [None, pa.py_buffer(ids)])], schema=schema
+    )
+    builder = BatchBuilder(client.blob, "s", schema, config, part_format=ARROW)
+    builder.add(table)
+    writer.compare_and_append_batches([builder.finish()], t, t + 1, ts_rewrite=t)
+state = shard.state()
+leased = [
+    LeasedPart("s", client.blob.uri, p, 2, 3, None, state.seqno)
+    for b in state.trace
+    for p in b.parts
+]
+got = pa.concat_tables(iter_parts(client.blob, leased))
+assert "pandas" not in sys.modules, "a commit or a read imported pandas"
+assert sorted(got.column("id").to_pylist()) == list(range(20, 30)), got
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_compacting_insert_only_parts_keeps_every_row_and_imports_no_pandas() -> None:
+    """A merge of insert-only batches (what the Spark sink writes) keeps every update as it
+    is, and so never loads the group-by (Arrow's acero, and pandas with it) into the process
+    that compacts: the sink's committer, whose next commit would wait for the import."""
+    code = """
+import sys
+import numpy as np
+import pyarrow as pa
+from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state.parts import ARROW
+from pyspark_persist.state.write import BatchBuilder
+config = PersistConfig(compaction_fan_in=2, maintenance=False)
+client = PersistClient.open("mem://compact-np", "mem://compact-np", config=config)
+schema = pa.schema([("id", pa.int64())])
+shard = client.open_shard("s", schema)
+writer = shard.writer()
+for t in range(4):
+    ids = np.arange(t * 10, t * 10 + 10, dtype=np.int64) % 25  # some ids written twice
+    table = pa.Table.from_arrays(
+        [pa.Array.from_buffers(pa.int64(), 10, [None, pa.py_buffer(ids)])], schema=schema
+    )
+    builder = BatchBuilder(client.blob, "s", schema, config, part_format=ARROW)
+    builder.add(table)
+    writer.compare_and_append_batches([builder.finish()], t, t + 1, ts_rewrite=t)
+reader = shard.reader()
+reader.downgrade_since(3)
+assert shard.compact()
+assert len(shard.state().trace) < 4
+assert "pandas" not in sys.modules, "compacting insert-only parts imported pandas"
+snapshot = reader.snapshot_table()
+counts = {}
+for i, d in zip(snapshot.column("id").to_pylist(), snapshot.column("_diff").to_pylist()):
+    counts[i] = counts.get(i, 0) + d
+assert counts == {i: 2 if i < 15 else 1 for i in range(25)}, counts
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
