@@ -480,6 +480,34 @@ def test_conform_checks_every_table_though_its_schema_pair_is_planned_once() -> 
     assert table.column("name").to_pylist() == [None]
 
 
+def test_updates_already_in_part_layout_pass_as_they_are_with_every_check_kept() -> None:
+    """Updates carrying the part layout's exact schema come back as the very same table; the
+    checks still run on each one (null times, nulls in a non-nullable column), and a
+    near-miss (an int32 ``_diff``) is cast as before, whichever schema came just before."""
+    shard = pa.schema([pa.field("id", pa.int64(), nullable=False), ("name", pa.string())])
+    layout = shard.append(pa.field(TIME, pa.uint64(), nullable=False)).append(
+        pa.field(DIFF, pa.int64(), nullable=False)
+    )
+    given = pa.table({"id": [1], "name": ["a"], TIME: [5], DIFF: [-1]}, schema=layout)
+    for _ in range(2):  # planned, then the plan reused
+        table, has_time = conform_updates(given, shard, "s")
+        assert table is given and has_time
+    null_time = pa.table({"id": [1], "name": ["a"], TIME: [None], DIFF: [1]}, schema=layout)
+    with pytest.raises(InvalidUpdates, match="'_time' has 1 nulls"):
+        conform_updates(null_time, shard, "s")
+    null_id = pa.table({"id": [None], "name": ["a"], TIME: [5], DIFF: [1]}, schema=layout)
+    with pytest.raises(InvalidUpdates, match="'id' of shard 's' is non-nullable"):
+        conform_updates(null_id, shard, "s")
+    narrow = pa.table({"id": [1], "name": ["a"], TIME: pa.array([5], pa.uint64())})
+    narrow = narrow.append_column(DIFF, pa.array([-1], pa.int32()))
+    for _ in range(2):
+        table, _ = conform_updates(narrow, shard, "s")
+        assert table.schema.equals(layout) and table.to_pylist() == given.to_pylist()
+    with pytest.raises(SchemaMismatch, match="shard 't'"):
+        conform_updates(given, pa.schema([("id", pa.int64())]), "t")
+    assert conform_updates(given, shard, "s")[0] is given
+
+
 def test_parquet_part_streams_into_blob_and_its_crc_verifies(tmp_path: Path) -> None:
     """A Parquet part is encoded straight into the store (no whole encoded copy is returned to
     the builder): the CRC-32 counted on the way is the stored object's, and it reads back."""
