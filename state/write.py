@@ -148,7 +148,8 @@ class BatchBuilder:
         self._inline_limit = limit if inline_budget is None else min(limit, inline_budget)
         self._buffer: list[pa.Table] = []
         self._buffered_bytes = 0
-        """Exact bytes of ``_buffer[:_measured]``."""
+        """Exact bytes of ``_buffer[:_measured]`` (Parquet parts); for Arrow formats, the bytes
+        of the tiny updates held back in ``_buffer`` while they may still ride inline."""
         self._measured = 0
         self._unmeasured_bound = 0
         """An upper bound of the bytes of ``_buffer[_measured:]`` (their total buffer sizes)."""
