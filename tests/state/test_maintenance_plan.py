@@ -14,6 +14,8 @@ from types import MappingProxyType
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
@@ -23,7 +25,9 @@ from pyspark_persist.state.maintenance import (
     BACKGROUND_COMPACTION_ROUNDS,
     CompactRequest,
     GcRequest,
+    compaction_due,
     compaction_plan,
+    compaction_request,
     plan_gc,
     requests_after_commit,
 )
@@ -205,3 +209,24 @@ def test_a_commit_asks_for_maintenance_as_data(
         else r == GcRequest(sweep_orphans=False, force=False)
         for r in got
     )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    batch_rows=st.lists(st.integers(0, 5000), max_size=70),
+    fan_in=st.integers(2, 9),
+    retention=st.booleans(),
+    since=st.integers(0, 70),
+)
+def test_compaction_due_answers_what_compaction_request_would(
+    batch_rows: list[int], fan_in: int, retention: bool, since: int
+) -> None:
+    """The cheap check every commit runs agrees with the full request on any trace: runs of
+    one tier anywhere, traces past fan_in * MAX_TIERS, and retention's expired runs."""
+    config = PersistConfig(compaction_fan_in=fan_in)
+    state = replace(
+        _state(batch_rows, 1, 0, None),
+        retention_ms=1000 if retention else 0,
+        since=min(since, max(len(batch_rows) - 1, 0)),
+    )
+    assert compaction_due(state, config) == (compaction_request(state, config) is not None)
