@@ -96,8 +96,10 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
     write = {
         "size_mib": 256.0,
         "write": [
-            {"writer": "persist", "rows": 10, "mib_per_s": 40.0},
-            {"writer": "parquet", "rows": 10, "mib_per_s": 80.0},
+            {"writer": "persist append", "rows": 10, "mib_per_s": 40.0},
+            {"writer": "persist overwrite", "rows": 10, "mib_per_s": 45.0},
+            {"writer": "parquet", "rows": 10, "mib_per_s": 95.0},
+            {"writer": "parquet append", "rows": 10, "mib_per_s": 80.0},
             {"writer": "discard", "rows": 10, "mib_per_s": 90.0},
         ],
         "latency": [
