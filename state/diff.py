@@ -201,6 +201,14 @@ def encode(diff: StateDiff) -> bytes:
     return _HEADER.pack(_MAGIC, FORMAT_VERSION, zlib.crc32(body)) + body
 
 
+def row_checksum(data: bytes) -> int | None:
+    """The CRC-32 an encoded diff carries in its header (None for anything else, such as
+    :data:`DROPPED`): what tells one Consensus row from another at the same SeqNo."""
+    if len(data) < _HEADER.size or data[:3] != _MAGIC:
+        return None
+    return int(_HEADER.unpack_from(data)[2])
+
+
 DROPPED = b"pyspark-persist: dropped shard"
 """The data of the last row a drop appends (:mod:`.drop`): not a diff, so no process can build
 on it, and :func:`decode` reports the shard as gone."""

@@ -29,7 +29,7 @@ from .consensus import CaSCommitted, Consensus, VersionedData
 from .diff import encode
 from .errors import Determinate, Indeterminate, ShardNotFound
 from .state import ShardState
-from .versions import load_state, write_rollup
+from .versions import load_state, remember_head, write_rollup
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +164,18 @@ class Machine:
     def fetch_latest(self) -> ShardState:
         """Read the diffs this process has not seen from Consensus (a poll) and install them."""
         self.metrics.incr(Count.CONSENSUS_FETCHES)
+        cached = self.shared.state
         with retry.deadline_in(self.config.retry_timeout_s):
-            state = load_state(self.shard_id, self.consensus, self.blob, self.shared.state)
+            state = load_state(self.shard_id, self.consensus, self.blob, cached)
         if state is None:
+            if cached is not None:
+                self.shared.forget()  # dropped: a shard created again under the name is new
             raise self._not_found()
+        if cached is not None and state is not cached and state.seqno <= cached.seqno:
+            # Not newer, yet not the cached state: Consensus no longer continues the cached
+            # history (the shard was dropped and created again), and what it holds now wins.
+            self.shared.replace(state)
+            return state
         self.shared.update(state)
         return self.shared.state or state
 
@@ -181,6 +189,7 @@ class Machine:
         with retry.deadline_in(self.config.retry_timeout_s):
             state = load_state(self.shard_id, self.consensus, self.blob, None)
         if state is None:
+            self.shared.forget()  # dropped (see fetch_latest)
             raise self._not_found()
         self.shared.replace(state)
         return state
@@ -261,7 +270,7 @@ class Machine:
                     continue
                 if isinstance(res, CaSCommitted):
                     self.metrics.incr(Count.COMMITS)
-                    self.shared.update(new_state)
+                    self.shared.update(remember_head(new_state, row))
                     self.publisher.push(self.shard_id, row)
                     self._maybe_rollup(new_state)
                     if self.on_commit is not None:

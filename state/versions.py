@@ -5,14 +5,17 @@ Consensus holds one row per SeqNo, each an encoded
 reader may need are truncated by GC, but only down to a SeqNo whose full
 state was first written to Blob as a rollup, so the oldest live row always
 has a rollup: load it, then apply every newer diff. A process that already
-holds the state at SeqNo ``n`` only reads rows after ``n``.
+holds the state at SeqNo ``n`` reads row ``n`` again and the rows after it:
+row ``n`` must still be the one its state was built from (a shard dropped
+and created again under its name starts a new history, which a cached state
+must never be continued with), else it loads the shard afresh.
 """
 
 from __future__ import annotations
 
 from .blob import Blob
 from .consensus import Consensus, VersionedData
-from .diff import decode, encode, full_diff
+from .diff import decode, encode, full_diff, row_checksum
 from .errors import CorruptData
 from .state import EMPTY_STATE, ShardState
 
@@ -29,8 +32,19 @@ def write_rollup(blob: Blob, state: ShardState) -> str:
     return key
 
 
+_HEAD = "_head_checksum"
+"""Where a state keeps the checksum of the Consensus row at its SeqNo (beside the cached
+properties in its ``__dict__``; not a field, so ``apply`` never copies it to the next state)."""
+
+
+def remember_head(state: ShardState, row: VersionedData) -> ShardState:
+    """Note that ``state`` is what Consensus row ``row`` (at its SeqNo) made; returns it."""
+    state.__dict__[_HEAD] = row_checksum(row.data)
+    return state
+
+
 def apply_rows(state: ShardState, rows: list[VersionedData], shard_id: str) -> ShardState:
-    """Apply consecutive Consensus rows, newest last, to ``state``."""
+    """Apply consecutive Consensus rows, newest last, to ``state`` (rows it has are skipped)."""
     for row in rows:
         if row.seqno <= state.seqno:
             continue
@@ -41,7 +55,26 @@ def apply_rows(state: ShardState, rows: list[VersionedData], shard_id: str) -> S
                 f"SeqNo {diff.to_seqno}"
             )
         state = state.apply(diff)
+    if rows and rows[-1].seqno == state.seqno:
+        remember_head(state, rows[-1])
     return state
+
+
+def _continue(cached: ShardState, consensus: Consensus, shard_id: str) -> ShardState | None:
+    """``cached`` brought up to date, or None when Consensus no longer continues it.
+
+    The row at the cached SeqNo is read again: gone (the shard was dropped, or
+    GC truncated past a state this far behind) or not the row the state was
+    built from (dropped and created again) means the rows after it belong to
+    another history. A state of unknown origin is trusted as before.
+    """
+    rows = consensus.scan(shard_id, cached.seqno)
+    if not rows or rows[0].seqno != cached.seqno:
+        return None
+    known = cached.__dict__.get(_HEAD)
+    if known is not None and known != row_checksum(rows[0].data):
+        return None
+    return apply_rows(cached, rows, shard_id)
 
 
 def load_state(
@@ -49,15 +82,15 @@ def load_state(
 ) -> ShardState | None:
     """The newest state of ``shard_id``, or ``None`` if it does not exist.
 
-    Starts from ``cached`` when it is still contiguous with Consensus, else
-    from the rollup at the oldest live SeqNo. Retries when GC truncates
-    underneath it.
+    Starts from ``cached`` while Consensus still continues it (see
+    :func:`_continue`), else from the rollup at the oldest live SeqNo.
+    Retries when GC truncates underneath it.
     """
+    if cached is not None:
+        state = _continue(cached, consensus, shard_id)
+        if state is not None:
+            return state
     for _ in range(10):
-        if cached is not None:
-            rows = consensus.scan(shard_id, cached.seqno + 1)
-            if not rows or rows[0].seqno == cached.seqno + 1:
-                return apply_rows(cached, rows, shard_id)
         rows = consensus.scan(shard_id, 0)
         if not rows:
             return None
@@ -67,11 +100,9 @@ def load_state(
         data = blob.get(rollup_key(shard_id, first.seqno))
         if data is None:
             # GC truncated past ``first`` and deleted its rollup between our two reads.
-            cached = None
             continue
         diff = decode(data, where=f"rollup {rollup_key(shard_id, first.seqno)!r}")
-        state = EMPTY_STATE.apply(diff)
-        return apply_rows(state, rows[1:], shard_id)
+        return apply_rows(remember_head(EMPTY_STATE.apply(diff), first), rows[1:], shard_id)
     raise CorruptData(
         f"shard {shard_id!r}: the oldest Consensus row keeps changing and has no rollup in Blob"
     )

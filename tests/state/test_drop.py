@@ -153,3 +153,50 @@ def test_a_drop_that_died_after_fencing_reads_as_dropped_and_finishes_when_rerun
 def test_dropping_a_missing_shard_is_shard_not_found(client: PersistClient) -> None:
     with pytest.raises(ShardNotFound, match="does not exist"):
         drop_shard(client.consensus, client.blob, "never-created", now_ms=now_ms())
+
+
+@pytest.mark.parametrize("new_writes", [1, 3, 6], ids=["behind", "same-seqno", "ahead"])
+def test_a_process_holding_the_dropped_shard_sees_the_new_one_exactly(
+    client: PersistClient, shard_name: str, new_writes: int
+) -> None:
+    """Another process (its own cache) held the shard at SeqNo 4 when it was dropped and
+    created again under its name, with another schema and fewer, as many or more SeqNos:
+    it then reads the new shard alone (schema, rows), never the old history continued with
+    the new one's rows, and its writes land in the new shard."""
+    holder = reopened(client)
+    old = holder.open_shard(shard_name, SCHEMA)
+    for i in range(3):
+        old.writer().append(pa.table({"id": [i]}))
+    assert old.state().seqno == 4
+    drop_shard(client.consensus, client.blob, shard_name, now_ms=now_ms())
+    schema = pa.schema([("id", pa.int64()), ("v", pa.string())])
+    new = client.open_shard(shard_name, schema)
+    for i in range(new_writes):
+        new.writer().append(pa.table({"id": [100 + i], "v": ["new"]}, schema=schema))
+    assert new.state().seqno == 1 + new_writes
+
+    seen = holder.open_shard(shard_name)
+    assert seen.schema.equals(schema)
+    assert seen.state().seqno == new.state().seqno
+    assert sorted(seen.reader().snapshot_table().column("id").to_pylist()) == [
+        100 + i for i in range(new_writes)
+    ]
+    seen.writer().append(pa.table({"id": [7], "v": ["held"]}, schema=schema))
+    ids = reopened(client).open_shard(shard_name).reader().snapshot_table().column("id")
+    assert sorted(ids.to_pylist()) == sorted([7, *(100 + i for i in range(new_writes))])
+
+
+def test_a_process_holding_a_dropped_shard_finds_it_gone_then_creates_it_anew(
+    client: PersistClient, shard_name: str
+) -> None:
+    """The holder of a dropped shard's state is told it is gone (not served its cache), and
+    its create makes a new, empty shard."""
+    holder = reopened(client)
+    old = holder.open_shard(shard_name, SCHEMA)
+    for i in range(3):
+        old.writer().append(pa.table({"id": [i]}))
+    drop_shard(client.consensus, client.blob, shard_name, now_ms=now_ms())
+    with pytest.raises(ShardNotFound):
+        holder.open_shard(shard_name)
+    created = holder.open_shard(shard_name, SCHEMA)
+    assert (created.state().seqno, created.upper, created.state().batches) == (1, 0, {})
