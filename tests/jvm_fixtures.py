@@ -7,7 +7,9 @@ with ``-XX:ArchiveClassesAtExit``, which dumps the classes it loaded into an
 archive; the tests' other jobs (the kill tests' restarts, the examples) map
 that archive with ``-XX:SharedArchiveFile`` instead of loading those classes
 again. The archive only changes how classes are loaded: a JVM that cannot use
-it (another JDK, another class path) warns and runs as without it.
+it (another JDK, another class path) warns and runs as without it. The
+warm-up job is the first of the jobs started early, in the background, while
+the JVM-free tests run (``tests/early.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import early
 import pyspark
 import pytest
 
@@ -47,18 +50,17 @@ def spark_submit() -> str:
     return os.path.join(home, "bin", "spark-submit")
 
 
-@pytest.fixture(scope="session")
-def spark_submit_java_options(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """``--driver-java-options`` for the tests' ``spark-submit`` jobs: quick JIT, shared classes.
+def _java_options(factory: pytest.TempPathFactory, env: dict[str, str]) -> str:
+    """Run the warm-up job with ``-XX:ArchiveClassesAtExit``; the options that use its archive.
 
     Without an archive (the warm-up job failed) the options are the quick JVM's alone.
     """
-    base = tmp_path_factory.mktemp("cds")
+    base = factory.mktemp("cds")
     archive, job, data = base / "spark.jsa", base / "warm_up.py", base / "data"
     job.write_text(WARM_UP_JOB)
     data.mkdir()
     (data / "rows.json").write_text('{"id": 1}\n')
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    env = dict(env, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
     dump = subprocess.run(
         [
             spark_submit(),
@@ -82,3 +84,15 @@ def spark_submit_java_options(tmp_path_factory: pytest.TempPathFactory) -> str:
     if dump.returncode != 0 or not Path(archive).is_file():
         return QUICK_JVM
     return f"{QUICK_JVM} -XX:SharedArchiveFile={archive}"
+
+
+early.register("spark_submit_java_options", _java_options)
+
+
+@pytest.fixture(scope="session")
+def spark_submit_java_options(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``--driver-java-options`` for the tests' ``spark-submit`` jobs: quick JIT, shared classes.
+
+    The warm-up job starts early, in the background (``early``), while the JVM-free tests run.
+    """
+    return str(early.result("spark_submit_java_options", tmp_path_factory))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -353,18 +354,25 @@ CHILD = textwrap.dedent(
     reason="pyspark_persist is not a regular top-level module here (editable install): "
     "Spark's pyspark_* scan cannot find it; runs on a normal `pip install .` as in CI",
 )
-def test_format_persist_is_found_without_register(tmp_path: Path) -> None:
-    """A fresh Spark process finds format("persist") by its module scan, no register() call."""
+def test_format_persist_is_found_without_register(
+    tmp_path: Path, spark_submit_java_options: str
+) -> None:
+    """A fresh Spark process finds format("persist") by its module scan, no register() call.
+
+    Its JVM starts with the test run's quick-start options (``jvm_fixtures``: how it loads
+    classes, nothing the module scan sees).
+    """
     shard = new_shard()
     write(shard, rows(range(25)))
     script = tmp_path / "child.py"
     script.write_text(CHILD)
+    submit_args = f"--driver-java-options {shlex.quote(spark_submit_java_options)} pyspark-shell"
     proc = subprocess.run(
         [sys.executable, str(script), shard.name, str(tmp_path / "cp")],
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ),
+        env=dict(os.environ, PYSPARK_SUBMIT_ARGS=submit_args),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == list(range(25))

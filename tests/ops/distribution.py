@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,10 +37,12 @@ class FreshInstall:
     workdir: Path
     """A directory outside the source tree holding a copy of ``examples/``."""
     steps: dict[str, subprocess.CompletedProcess[str]]
+    base_env: Mapping[str, str] = field(default_factory=lambda: os.environ)
+    """The environment the user's is made from: the test run's, as it was at the install."""
 
     def env(self) -> dict[str, str]:
         """A user's environment: this venv first on PATH, nothing of the test run's Spark."""
-        return user_env(self.venv, self.home)
+        return user_env(self.venv, self.home, self.base_env)
 
     def run(
         self, *argv: str | Path, timeout: float = STEP_TIMEOUT_S
@@ -48,12 +51,12 @@ class FreshInstall:
         return run([str(a) for a in argv], self.env(), self.workdir, timeout)
 
 
-def user_env(venv: Path, home: Path) -> dict[str, str]:
+def user_env(venv: Path, home: Path, base: Mapping[str, str] = os.environ) -> dict[str, str]:
     """A user who installed into ``venv``: none of this run's PYTHONPATH, Spark or AWS settings."""
     dropped = ("PYTHONPATH", "VIRTUAL_ENV", "SPARK_HOME", "PERSIST_HOME")
     env = {
         k: v
-        for k, v in os.environ.items()
+        for k, v in dict(base).items()
         if k not in dropped and not k.startswith(("PYSPARK_", "AWS_"))
     }
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
