@@ -119,13 +119,9 @@ def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch,
         return expired
     if len(trace) < fan:
         return None
-    tiers = [_tier(b.rows, fan) for b in trace]
-    start = 0
-    for i in range(1, len(trace) + 1):
-        if i == len(trace) or tiers[i] != tiers[start]:
-            if i - start >= fan:
-                return trace[start:i]
-            start = i
+    run = _oldest_tier_run(trace, fan)
+    if run is not None:
+        return trace[run[0] : run[1]]
     if len(trace) > fan * MAX_TIERS:
         windows = range(len(trace) - fan + 1)
         best = min(windows, key=lambda i: sum(b.rows for b in trace[i : i + fan]))
@@ -138,9 +134,9 @@ def compaction_due(state: ShardState, config: PersistConfig) -> bool:
 
     Every commit asks this (:func:`requests_after_commit`), so it stops at the
     first sign: a trace past ``fan_in * MAX_TIERS`` batches always has a
-    lightest window to merge, and the first run of ``fan_in`` batches of one
-    tier answers without tiering the rest. (A one-row write spent a tenth of
-    its time building the whole request only to test it against None.)
+    lightest window to merge, which the full request would sum window by window
+    (a one-row write spent a tenth of its time building the request only to
+    test it against None).
     """
     trace = state.trace
     fan = config.compaction_fan_in
@@ -148,16 +144,19 @@ def compaction_due(state: ShardState, config: PersistConfig) -> bool:
         return True
     if len(trace) < fan:
         return False
-    if len(trace) > fan * MAX_TIERS:
-        return True
-    run, last = 0, -1
-    for b in trace:
+    return len(trace) > fan * MAX_TIERS or _oldest_tier_run(trace, fan) is not None
+
+
+def _oldest_tier_run(trace: tuple[Batch, ...], fan: int) -> tuple[int, int] | None:
+    """``(start, end)`` of the oldest run of at least ``fan`` adjacent batches of one tier."""
+    start, last = 0, -1
+    for i, b in enumerate(trace):
         t = _tier(b.rows, fan)
-        run = run + 1 if t == last else 1
-        if run >= fan:
-            return True
-        last = t
-    return False
+        if t != last:
+            if i - start >= fan:
+                return start, i
+            start, last = i, t
+    return (start, len(trace)) if len(trace) - start >= fan else None
 
 
 def compaction_plan(
