@@ -18,11 +18,8 @@ from pyspark.sql.types import StructType
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.state.blob import Blob, open_blob
 from pyspark_persist.state.client import PersistClient, Shard
-from pyspark_persist.state.parts import decode_schema
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
     from pyspark_persist.stream_reader import PersistStreamReader
     from pyspark_persist.writer import PersistBatchWriter, PersistStreamWriter
 
@@ -95,32 +92,24 @@ def client_for(opts: PersistOptions, *, pubsub: bool = True) -> PersistClient:
         return client
 
 
-def open_shard(
-    opts: PersistOptions,
-    schema: pa.Schema | None = None,
-    *,
-    create: bool = False,
-    retention_ms: int | None = None,
-) -> Shard:
-    """``client_for(opts).open_shard(...)``, without reading Consensus while PubSub delivers.
+def open_shard(opts: PersistOptions) -> Shard:
+    """The shard to commit to: the state this process holds while PubSub delivers it, else
+    ``client_for(opts).open_shard(...)`` (a Consensus read).
 
-    Spark calls the sink's ``streamWriter()`` twice per micro-batch (to plan
-    the tasks and to commit) and each would read the shard's state from
-    Consensus to check the schema. While PubSub delivers this shard, the
-    state this process holds is Consensus's (every push is confirmed against
-    it), so the check runs against it; anything it cannot answer (no state
-    yet, PubSub off or down, another schema, a retention to set) goes to
-    :meth:`PersistClient.open_shard`, which reads Consensus and raises the
-    usual errors.
+    The sink's driver commit needs only an expected upper: while PubSub
+    delivers the shard, the state this process holds is Consensus's (every
+    push is confirmed against it), and a stale upper is answered by the
+    compare-and-set itself (UpperMismatch with the current one), so the
+    commit is one round trip. A drop is no PubSub diff, though: a shard
+    dropped since makes the compare-and-set find it gone (ShardNotFound,
+    nothing committed). That is why the sink's schema check before any task
+    (``writer._prepare_shard``) reads Consensus instead of this.
     """
     client = client_for(opts)
     machine = client.machine(opts.shard)
-    state = machine.shared.state
-    if state is not None and opts.pubsub is not None and machine.shared.push_healthy:
-        if retention_ms is None or retention_ms == state.retention_ms:
-            if schema is None or schema.equals(decode_schema(state.schema)):
-                return Shard(client, machine)
-    return client.open_shard(opts.shard, schema, create=create, retention_ms=retention_ms)
+    if machine.shared.state is not None and opts.pubsub is not None and machine.shared.push_healthy:
+        return Shard(client, machine)
+    return client.open_shard(opts.shard, create=False)
 
 
 _blobs: dict[str, Blob] = {}

@@ -409,12 +409,12 @@ def test_a_null_in_a_non_nullable_shard_column_is_named(tmp_path: Path) -> None:
 
 
 def test_with_pubsub_a_micro_batch_commit_is_one_consensus_round_trip(tmp_path: Path) -> None:
-    """While PubSub delivers the shard, a micro-batch costs the sink one compare-and-set.
+    """While PubSub delivers the shard, a micro-batch's commit is one compare-and-set.
 
     Spark builds the stream writer twice per micro-batch (to plan the tasks and to
-    commit); neither build nor the commit may read Consensus, since each read
-    delays the micro-batch (Spark's addBatch). Protects: the schema check and
-    the commit's expected upper come from the PubSub-confirmed state.
+    commit): each build checks the schema against Consensus (one read: a drop is
+    no PubSub diff, see the test below), and the commit reads nothing more.
+    Protects: the commit's expected upper comes from the PubSub-confirmed state.
     """
     from pyspark_persist.source import client_for
 
@@ -442,9 +442,67 @@ def test_with_pubsub_a_micro_batch_commit_is_one_consensus_round_trip(tmp_path: 
         )
         PersistStreamWriter(opts, SCHEMA, False).commit([staged], batch)
     after = client.metrics.snapshot()
-    assert after["consensus_fetches"] == before["consensus_fetches"]
+    assert after["consensus_fetches"] - before["consensus_fetches"] == 3 * 2  # the builds'
     assert after["cas_attempts"] - before["cas_attempts"] == 3
     assert after["commits"] - before["commits"] == 3
     shard = client.open_shard(opts.shard, create=False)
     table = shard.reader().snapshot_table()
     assert sorted(table.column("id").to_pylist()) == list(range(40))
+
+
+@pytest.mark.parametrize("new_schema", [False, True], ids=["same-schema", "other-schema"])
+def test_with_pubsub_a_new_query_after_a_drop_creates_the_shard_again(
+    tmp_path: Path, new_schema: bool
+) -> None:
+    """A shard dropped by another process, then written by a new query of this session.
+
+    The session's workers hold the old shard's state, confirmed by PubSub, but a
+    drop is no PubSub diff: the sink must not check the new query's schema
+    against, or commit onto, the dropped shard. Protects: the first micro-batch
+    creates the shard again (with the new query's schema), as on a fresh machine.
+    """
+    from pyspark_persist.source import client_for
+    from pyspark_persist.state.drop import drop_shard
+
+    raw = {
+        "path": f"dropped_{uuid.uuid4().hex[:8]}",
+        "blob": f"file://{tmp_path}/blob",
+        "consensus": f"sqlite:///{tmp_path}/consensus.db",
+        "pubsub": "auto",
+    }
+    first_opts = PersistOptions.parse(
+        {**raw, "checkpointLocation": str(_checkpoint(tmp_path / "cp1", "q1"))}, "stream_write"
+    )
+    first = PersistStreamWriter(first_opts, SCHEMA, False)
+    first.commit([_stage(first, range(10))], 0)
+    shared = client_for(first_opts).machine(first_opts.shard).shared
+    deadline = time.monotonic() + 30
+    while not shared.push_healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert shared.push_healthy, "the PubSub subscription never came up"
+
+    other = PersistClient.open(raw["blob"], raw["consensus"])  # another process's client
+    drop_shard(other.consensus, other.blob, first_opts.shard, now_ms=int(time.time() * 1000))
+
+    schema = (
+        StructType([StructField("key", StringType()), StructField("n", LongType())])
+        if new_schema
+        else SCHEMA
+    )
+    opts = PersistOptions.parse(
+        {**raw, "checkpointLocation": str(_checkpoint(tmp_path / "cp2", "q2"))}, "stream_write"
+    )
+    writer = PersistStreamWriter(opts, schema, False)
+    names = [f.name for f in schema.fields]
+    rb = pa.RecordBatch.from_pydict(
+        {
+            names[0]: pa.array([1, 2], pa.int64()) if not new_schema else ["a", "b"],
+            names[1]: ["x", "y"] if not new_schema else pa.array([1, 2], pa.int64()),
+        }
+    )
+    PersistStreamWriter(opts, schema, False).commit([writer.write(iter([rb]))], 0)
+
+    shard = other.open_shard(opts.shard, create=False)
+    assert shard.schema.names == names
+    table = shard.reader().snapshot_table()
+    assert sorted(table.column(names[0]).to_pylist()) == (["a", "b"] if new_schema else [1, 2])
