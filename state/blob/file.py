@@ -37,15 +37,18 @@ the same directory.
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import mmap
 import os
 import stat
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import BinaryIO, cast
+from typing import cast
 
 from ..errors import InvalidUri, InvalidUsage, StoreUnavailable
 from . import Blob, BlobMeta, BlobValue, BlobWriter, validate_key
@@ -53,11 +56,19 @@ from . import Blob, BlobMeta, BlobValue, BlobWriter, validate_key
 _TMP_PREFIX = ".tmp~"
 
 WRITEBACK_BYTES = 8 * 1024 * 1024
-"""A streamed value's bytes are handed to the kernel's writeback every this many bytes
-(``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so the fsync at commit finds little
-left to write. Without it a 64 MiB part sat dirty in the page cache until the fsync, which
-then stalled the writer for the whole flush; with it the disk works while the part is
-still being encoded."""
+"""A streamed value reaches its file this many bytes at a time, from one page-aligned
+buffer: with ``O_DIRECT`` (Linux) straight to the disk, else through the page cache, handed
+to the kernel's writeback at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``) so commit's
+fsync finds little left to write. Without the writeback hint a 64 MiB part sat dirty in the
+page cache until the fsync, which then stalled the writer for the whole flush."""
+
+_ALIGN = 4096
+"""What ``O_DIRECT`` needs of a write's address, length and file offset (a page: at least
+every file system's logical block)."""
+
+_O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
+"""Linux's flag to write a file's bytes from the caller's buffer to the disk, bypassing the
+page cache; None where the OS has none (then every write is buffered)."""
 
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -105,8 +116,54 @@ def _store_errors(root: str, key: str, path: str) -> Iterator[None]:
         raise StoreUnavailable(f"cannot write blob {path}: {e}") from e
 
 
+class _Buffers:
+    """Page-aligned ``WRITEBACK_BYTES`` buffers, reused by the writers of this process.
+
+    A fresh buffer costs its pages' first touch; kept, it is warm for the next part.
+    At most ``KEEP`` idle ones are kept (one per concurrent writer is what staging uses).
+    """
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._idle: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        """An idle buffer of WRITEBACK_BYTES, or a new one."""
+        with self._lock:
+            while self._idle:
+                buf = self._idle.pop()
+                if len(buf) == WRITEBACK_BYTES:  # a test may have changed the size
+                    return buf
+        return mmap.mmap(-1, WRITEBACK_BYTES)
+
+    def give(self, buf: mmap.mmap) -> None:
+        """Return a buffer taken with :meth:`take`."""
+        with self._lock:
+            if len(self._idle) < self.KEEP:
+                self._idle.append(buf)
+                return
+        buf.close()
+
+
+_BUFFERS = _Buffers()
+
+
 class _FileWriter(BlobWriter):
-    """A temp file in the key's directory, renamed onto the key at commit (see the module doc)."""
+    """A temp file in the key's directory, renamed onto the key at commit (see the module doc).
+
+    Bytes collect in a page-aligned buffer and reach the file WRITEBACK_BYTES at a
+    time, with ``O_DIRECT`` where the file system takes it: a part's bytes then go
+    from that buffer to the disk without a copy into the page cache. That copy was
+    the largest cost of staging a part (a Spark sink's 1 GiB write: 36% of its tasks'
+    samples, 1.3-1.5 s of system CPU per GiB, most of it the kernel finding fresh
+    page-cache pages); written directly, a GiB cost 0.04 s of system CPU and went 1.5-2x
+    faster. A value smaller than the buffer (a streaming micro-batch's part, a rollup)
+    is written through the page cache at commit, where a reader tailing the shard will
+    find it. A file system that refuses ``O_DIRECT`` (tmpfs) gets every write buffered,
+    with the writeback hint.
+    """
 
     def __init__(self, root: str, key: str, path: str) -> None:
         self._root = root
@@ -116,62 +173,135 @@ class _FileWriter(BlobWriter):
         self._tmp = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
         with _store_errors(root, key, path):
             os.makedirs(directory, exist_ok=True)
-            self._file: BinaryIO | None = open(self._tmp, "xb")  # noqa: SIM115 - closed at commit
+            self._fd: int | None = os.open(
+                self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+            )
+        self._buf: mmap.mmap | None = None
+        self._filled = 0
+        """Bytes in ``_buf`` not yet in the file."""
         self._written = 0
-        self._synced = 0
-        """Bytes of the temp file already handed to writeback (``_start_writeback``)."""
+        """Bytes in the file."""
+        self._direct = False
+        """Whether the file is open with ``O_DIRECT`` (from its first full buffer on)."""
+        self._may_direct = _O_DIRECT is not None
         self._writeback = _SYNC_FILE_RANGE is not None
 
     def write(self, data: BlobValue) -> int:
-        """Write ``data`` to the temp file (large pieces go straight to the OS, no copy)."""
-        if self._file is None:
+        """Append ``data``: into the buffer, and each time it fills, to the file."""
+        if self._fd is None:
             raise InvalidUsage(f"blob writer of {self._key!r} was already committed or aborted")
         try:
             with _store_errors(self._root, self._key, self._path):
-                n = self._file.write(data)
-                self._written += n
-                if self._writeback and self._written - self._synced >= WRITEBACK_BYTES:
-                    self._start_writeback(self._file)
-                return n
+                view = memoryview(data).cast("B")
+                if self._buf is None:
+                    self._buf = _BUFFERS.take()
+                size = len(self._buf)
+                done = 0
+                while done < len(view):
+                    n = min(size - self._filled, len(view) - done)
+                    self._buf[self._filled : self._filled + n] = view[done : done + n]
+                    self._filled += n
+                    done += n
+                    if self._filled == size:
+                        self._flush_full()
+                return len(view)
         except BaseException:
             self.abort()
             raise
 
-    def _start_writeback(self, file: BinaryIO) -> None:
-        """Start (not wait for) the disk write of what was written since the last call.
+    def _flush_full(self) -> None:
+        """Write the full buffer to the file: directly if it can be, else buffered."""
+        assert self._fd is not None and self._buf is not None
+        if self._may_direct and not self._direct:
+            self._direct = self._set_direct(True)
+            self._may_direct = self._direct
+        self._write_all(memoryview(self._buf)[: self._filled])
+        if not self._direct and self._writeback:
+            self._start_writeback()
+        self._filled = 0
+
+    def _set_direct(self, on: bool) -> bool:
+        """Turn ``O_DIRECT`` on or off for the file; False if the file system refuses it."""
+        assert self._fd is not None and _O_DIRECT is not None
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+        except OSError:
+            return False
+        return on
+
+    def _write_all(self, view: memoryview) -> None:
+        """``os.write`` until all of ``view`` is in the file. A direct write refused, or cut
+        short at an unaligned length (a full disk, a signal), leaves the rest buffered."""
+        assert self._fd is not None
+        while len(view):
+            try:
+                n = os.write(self._fd, view)
+            except OSError as e:
+                if not (self._direct and e.errno == errno.EINVAL):
+                    raise
+                # Took the flag, refused the write (some network and FUSE file systems).
+                self._direct = self._may_direct = self._set_direct(False)
+                continue
+            self._written += n
+            view = view[n:]
+            if self._direct and len(view) and n % _ALIGN:
+                self._direct = self._may_direct = self._set_direct(False)
+
+    def _start_writeback(self) -> None:
+        """Start (not wait for) the disk write of the buffered bytes just written.
 
         Only a hint: durability still comes from commit's fsync. Where the call is missing
         or refused (not Linux, a file system without it) writeback is left to the kernel.
         """
-        assert _SYNC_FILE_RANGE is not None
-        file.flush()
-        length = self._written - self._synced
-        if _SYNC_FILE_RANGE(file.fileno(), self._synced, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        assert _SYNC_FILE_RANGE is not None and self._fd is not None
+        start = self._written - self._filled
+        if _SYNC_FILE_RANGE(self._fd, start, self._filled, _SYNC_FILE_RANGE_WRITE) != 0:
             self._writeback = False
+
+    def _flush_rest(self) -> None:
+        """Write what the buffer holds: a direct file takes it padded to a whole page and
+        is cut back to its length; any other is written as it is."""
+        assert self._fd is not None
+        if self._buf is None or not self._filled:
             return
-        self._synced = self._written
+        if not self._direct:
+            self._write_all(memoryview(self._buf)[: self._filled])
+            return
+        length = self._written + self._filled
+        padded = -(-self._filled // _ALIGN) * _ALIGN
+        self._buf[self._filled : padded] = bytes(padded - self._filled)
+        self._write_all(memoryview(self._buf)[:padded])
+        os.ftruncate(self._fd, length)
+        self._written = length
 
     def commit(self) -> None:
-        """Flush and fsync the temp file, then rename it onto the key."""
-        if self._file is None:
+        """Write the rest, fsync the temp file, then rename it onto the key."""
+        if self._fd is None:
             raise InvalidUsage(f"blob writer of {self._key!r} was already committed or aborted")
         try:
             with _store_errors(self._root, self._key, self._path):
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
-                self._file = None
+                self._flush_rest()
+                os.fsync(self._fd)
+                self._close()
                 os.replace(self._tmp, self._path)
         except BaseException:
             # Nothing was renamed, so the key is unchanged; do not leave litter.
             self.abort()
             raise
 
+    def _close(self) -> None:
+        """Close the file and return the buffer."""
+        if self._buf is not None:
+            _BUFFERS.give(self._buf)
+            self._buf = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
     def abort(self) -> None:
         """Close and remove the temp file."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close()
         try:
             os.unlink(self._tmp)
         except FileNotFoundError:
@@ -290,10 +420,10 @@ class FileBlob(Blob):
     def delete_abandoned(self, prefix: str, older_than_ms: int) -> int:
         """Delete temp files in ``prefix``'s directory not written for ``older_than_ms``.
 
-        A live writer's temp file is modified with every write; one a crashed
-        process left (a part streamed when its executor died) stays put. A
-        writer idle for longer loses its temp file, so its commit fails and
-        stores nothing (its part was never referenced).
+        A live writer's temp file is modified with every WRITEBACK_BYTES it is
+        given; one a crashed process left (a part streamed when its executor
+        died) stays put. A writer that fills no buffer for longer loses its temp
+        file, so its commit fails and stores nothing (its part was never referenced).
         """
         head = prefix.rpartition("/")[0]
         directory = os.path.join(self._root, *validate_key(head).split("/")) if head else self._root

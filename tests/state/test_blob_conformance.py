@@ -328,23 +328,99 @@ def test_file_temp_files_are_never_listed_and_failed_sets_leave_nothing(
     ]
 
 
-def test_file_stream_hands_its_bytes_to_writeback_as_it_goes(
+def _resident_bytes(path: Path) -> int:
+    """Bytes of the file that sit in the page cache (``mincore`` on a mapping of it)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
+        libc = ctypes.CDLL(None, use_errno=True)
+        vec = (ctypes.c_ubyte * pages)()
+        buf = (ctypes.c_char * size).from_buffer(m)
+        addr = ctypes.addressof(buf)
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+        del buf
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+def _takes_o_direct(directory: Path) -> bool:
+    """Whether the file system under ``directory`` takes O_DIRECT (tmpfs may not)."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return False
+    probe = directory / "o_direct_probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | flag, 0o644))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+def test_file_stream_writes_a_part_past_the_page_cache_and_lands_it_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A long streamed value is handed to the kernel's writeback every WRITEBACK_BYTES while it
-    is written (Linux), so commit's fsync has little left; the value still lands whole."""
+    """A streamed value reaches its file WRITEBACK_BYTES at a time; where the file system
+    takes O_DIRECT, straight to the disk: none of it is copied into the page cache (the
+    bulk of a part's staging cost), and the value still lands whole, to the byte, whatever
+    its length. A value smaller than one buffer goes through the page cache, where readers
+    tailing the shard find it."""
+    from pyspark_persist.state.blob import file as file_blob
+
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT: every write is buffered")
+    monkeypatch.setattr(file_blob, "WRITEBACK_BYTES", MIB)
+    blob = open_blob(f"file://{tmp_path}/blob")
+    for length in (3 * MIB + 4097, 2 * MIB, MIB + 1, 5000):
+        pieces = (
+            [os.urandom(n) for n in (700_001, length - 700_001)]
+            if length > MIB
+            else [os.urandom(length)]
+        )
+        writer = blob.open_writer(f"shard/part-{length}")
+        for piece in pieces:
+            writer.write(piece)
+        writer.commit()
+        path = tmp_path / "blob" / "shard" / f"part-{length}"
+        assert path.stat().st_size == length
+        if length > MIB:
+            assert _resident_bytes(path) == 0, "a direct write left its bytes in the page cache"
+        else:
+            assert _resident_bytes(path) == length + (-length % 4096)
+        assert blob.get(f"shard/part-{length}") == b"".join(pieces)
+
+
+def test_file_stream_refused_o_direct_hands_its_bytes_to_writeback_as_it_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where O_DIRECT is refused (tmpfs, some network file systems), a long streamed value is
+    written through the page cache and handed to the kernel's writeback every
+    WRITEBACK_BYTES (Linux), so commit's fsync has little left; the value still lands whole."""
+    import errno
+    import fcntl
+
     from pyspark_persist.state.blob import file as file_blob
 
     if file_blob._SYNC_FILE_RANGE is None:
         pytest.skip("sync_file_range is Linux-only; elsewhere writeback is the kernel's")
     calls: list[tuple[int, int]] = []
     real = file_blob._SYNC_FILE_RANGE
+    real_fcntl = fcntl.fcntl
 
     def recording(fd: int, offset: int, length: int, flags: int) -> int:
         calls.append((offset, length))
         return real(fd, offset, length, flags)
 
+    def refusing(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and file_blob._O_DIRECT and arg & file_blob._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
     monkeypatch.setattr(file_blob, "_SYNC_FILE_RANGE", recording)
+    monkeypatch.setattr(fcntl, "fcntl", refusing)
     monkeypatch.setattr(file_blob, "WRITEBACK_BYTES", MIB)
     blob = open_blob(f"file://{tmp_path}/blob")
     pieces = [os.urandom(MIB // 2) for _ in range(5)]

@@ -425,10 +425,16 @@ def test_arrow_parts_coalesce_small_inputs_into_full_read_batches(tmp_path: Path
     c.close()
 
 
-def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(tmp_path: Path) -> None:
+def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rows of an open Arrow part reach the store as they are added (the builder holds less
-    than one read batch of them, not the part); the CRC-32 counted on the way is the stored
-    object's, and an abort mid-part leaves no key and no temp file."""
+    than one read batch of them and the file writer one buffer, not the part); the CRC-32
+    counted on the way is the stored object's, and an abort mid-part leaves no key and no
+    temp file."""
+    from pyspark_persist.state.blob import file as file_blob
+
+    monkeypatch.setattr(file_blob, "WRITEBACK_BYTES", 8192)  # a page-aligned buffer, small
     config = PersistConfig(read_batch_rows=1000, part_target_bytes=1 << 30, maintenance=False)
     c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
     part_dir = tmp_path / "blob" / "streamed" / "part"
