@@ -9,41 +9,82 @@ Linux only (it reads ``/proc``); elsewhere the figure is ``None``.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, CPU ticks of the process and of its reaped children), or None if gone."""
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, command name, CPU ticks of the process and of its reaped children), or
+    None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
     fields = raw[raw.rindex(")") + 2 :].split()
     ppid = int(fields[1])
     utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
-    return ppid, utime + stime + cutime + cstime
+    return ppid, comm, utime + stime + cutime + cstime
 
 
-def tree_cpu_seconds() -> float | None:
-    """CPU seconds used so far by this process tree (live processes and reaped children)."""
+@dataclass(frozen=True)
+class CpuSplit:
+    """CPU seconds of this process tree, by who spent them."""
+
+    jvm: float
+    """Spark's JVM (a ``java`` process)."""
+    workers: float
+    """Every process the JVM started: Spark's Python workers, where a Python source reads and
+    a Python sink writes (persist's own code on executors runs there, beside pyspark's)."""
+    driver: float
+    """This process and anything else it started."""
+
+    @property
+    def total(self) -> float:
+        """All of it."""
+        return self.jvm + self.workers + self.driver
+
+    def __sub__(self, before: CpuSplit) -> CpuSplit:
+        return CpuSplit(
+            round(self.jvm - before.jvm, 2),
+            round(self.workers - before.workers, 2),
+            round(self.driver - before.driver, 2),
+        )
+
+
+def tree_cpu_split() -> CpuSplit | None:
+    """CPU seconds used so far by this process tree (live processes and reaped children), by
+    JVM, its Python workers and the rest; None off Linux."""
     if not os.path.isdir("/proc/self"):
         return None
-    stats: dict[int, tuple[int, int]] = {}
+    stats: dict[int, tuple[int, str, int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
             if st is not None:
                 stats[int(name)] = st
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
+    for pid, (ppid, _, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [os.getpid()]
+    ticks = {"jvm": 0, "workers": 0, "driver": 0}
+    todo = [(os.getpid(), "driver")]
     while todo:
-        pid = todo.pop()
-        if pid in stats:
-            total += stats[pid][1]
-        todo.extend(children.get(pid, ()))
-    return total / _TICKS
+        pid, kind = todo.pop()
+        if pid not in stats:
+            continue
+        _, comm, cpu = stats[pid]
+        if kind == "driver" and comm == "java":
+            kind = "jvm"
+        ticks[kind] += cpu
+        below = "workers" if kind in ("jvm", "workers") else "driver"
+        todo.extend((child, below) for child in children.get(pid, ()))
+    return CpuSplit(*(ticks[k] / _TICKS for k in ("jvm", "workers", "driver")))
+
+
+def tree_cpu_seconds() -> float | None:
+    """CPU seconds used so far by this process tree (live processes and reaped children)."""
+    split = tree_cpu_split()
+    return None if split is None else split.total

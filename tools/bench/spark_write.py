@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pyspark_persist.tools.bench.cpu import tree_cpu_seconds
+from pyspark_persist.tools.bench.cpu import tree_cpu_split
 
 MiB = 1 << 20
 ROW_BYTES = 8 + 8 + 32 + 4
@@ -92,6 +92,9 @@ class WriteFigures:
     cpu_seconds: float | None = None
     """The least CPU one write cost (this process, Spark's JVM and its Python workers), which
     a loaded machine moves far less than wall time; None off Linux."""
+    worker_cpu_seconds: float | None = None
+    """The least CPU Spark's Python workers spent in one write: where a Python sink's tasks
+    run (persist's staging beside pyspark's transfer from the JVM); None off Linux."""
 
 
 @dataclass
@@ -124,6 +127,9 @@ class Report:
     """The discarding Python sink's throughput over Parquet's: the API's own limit."""
     ceiling_stream_ratio: float = 0.0
     """The discarding Python streaming sink's over Parquet's file sink: the streaming limit."""
+    own_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per persist mode: (seconds, share of its write's CPU) that persist's own code cost,
+    its Python workers' CPU beyond the discarding sink's (both pay pyspark's transfer)."""
     latency_ratio: float = 0.0
     floor_latency_ratio: float = 0.0
     """The one-hop floor's p50 over the file pipeline's."""
@@ -278,15 +284,20 @@ def _throughput(
     }
     best = dict.fromkeys(writers, float("inf"))
     least_cpu: dict[str, float] = {}
+    least_worker_cpu: dict[str, float] = {}
     for _ in range(ROUNDS):  # interleaved, so a slow spell of the machine hits every writer
         for name, write in writers.items():
-            cpu = tree_cpu_seconds()
+            cpu = tree_cpu_split()
             started = time.perf_counter()
             write()
             best[name] = min(best[name], time.perf_counter() - started)
-            after = tree_cpu_seconds()
+            after = tree_cpu_split()
             if cpu is not None and after is not None:
-                least_cpu[name] = min(least_cpu.get(name, float("inf")), after - cpu)
+                spent = after - cpu
+                least_cpu[name] = min(least_cpu.get(name, float("inf")), spent.total)
+                least_worker_cpu[name] = min(
+                    least_worker_cpu.get(name, float("inf")), spent.workers
+                )
     for name, secs in best.items():
         out.append(
             WriteFigures(
@@ -296,6 +307,7 @@ def _throughput(
                 round(rows / secs, 1),
                 round(rows * ROW_BYTES / MiB / secs, 2),
                 round(least_cpu[name], 2) if name in least_cpu else None,
+                round(least_worker_cpu[name], 2) if name in least_worker_cpu else None,
             )
         )
     df.unpersist()
@@ -448,6 +460,7 @@ def run(ns: argparse.Namespace) -> Report:
                 by["discard stream"].rows_per_s / by["parquet stream"].rows_per_s, 3
             )
             report.targets["write_throughput_vs_parquet"] = report.write_ratio >= THROUGHPUT_TARGET
+            report.own_cpu = _own_cpu(by)
         if not ns.skip_latency:
             for kind in ("persist", "parquet", "floor"):
                 report.latency.append(
@@ -466,6 +479,22 @@ def run(ns: argparse.Namespace) -> Report:
     return report
 
 
+def _own_cpu(by: dict[str, WriteFigures]) -> dict[str, tuple[float, float]]:
+    """Each persist mode's own CPU: its workers' beyond the discarding sink's of the same kind
+    (batch or streaming), in seconds and as a share of the write's whole CPU."""
+    out: dict[str, tuple[float, float]] = {}
+    for mode in PEERS:
+        ceiling = by["discard stream" if "stream" in mode else "discard"]
+        mine = by[mode]
+        if None in (mine.worker_cpu_seconds, ceiling.worker_cpu_seconds, mine.cpu_seconds):
+            continue
+        assert mine.worker_cpu_seconds is not None and ceiling.worker_cpu_seconds is not None
+        assert mine.cpu_seconds is not None
+        own = max(mine.worker_cpu_seconds - ceiling.worker_cpu_seconds, 0.0)
+        out[mode] = (round(own, 2), round(own / max(mine.cpu_seconds, 1e-9), 3))
+    return out
+
+
 def render(report: Report) -> str:
     """The report as a human-readable table."""
     lines = [f"persist bench spark-write ({report.master}, {report.partitions} partitions)"]
@@ -473,9 +502,12 @@ def render(report: Report) -> str:
         lines.append(f"\nWrite throughput, {report.size_mib:g} MiB cached DataFrame:")
         lines.append(
             f"  {'writer':<19}{'rows':>10}{'seconds':>9}{'rows/s':>12}{'MiB/s':>8}{'CPU s':>8}"
+            f"{'workers':>9}"
         )
         for w in report.write:
             cpu = "" if w.cpu_seconds is None else f"{w.cpu_seconds:>8.2f}"
+            if w.worker_cpu_seconds is not None:
+                cpu += f"{w.worker_cpu_seconds:>9.2f}"
             lines.append(
                 f"  {w.writer:<19}{w.rows:>10}{w.seconds:>9.2f}"
                 f"{w.rows_per_s:>12,.0f}{w.mib_per_s:>8.1f}{cpu}"
@@ -494,6 +526,15 @@ def render(report: Report) -> str:
             f"  discard stream/parquet stream = {report.ceiling_stream_ratio:.2f}x (the most "
             "any Python streaming sink reaches here)"
         )
+        if report.own_cpu:
+            lines.append(
+                "  persist's own code (its Python workers' CPU beyond the discarding sink's): "
+                + ", ".join(
+                    f"{mode.removeprefix('persist ')} {sec:.2f} s = {100 * share:.1f}%"
+                    for mode, (sec, share) in report.own_cpu.items()
+                )
+                + " of its write's CPU"
+            )
     if report.latency:
         lines.append("\nWrite-to-visible latency (ms):")
         lines.append(f"  {'pipeline':<42}{'samples':>8}{'p50':>9}{'p95':>9}{'max':>9}")
