@@ -14,9 +14,9 @@ from dataclasses import dataclass
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, command name, CPU ticks of the process and of its reaped children), or
-    None if gone."""
+def _stat(pid: int) -> tuple[int, str, int, int] | None:
+    """(parent pid, command name, CPU ticks of the process, CPU ticks of its reaped
+    children), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode()
@@ -27,7 +27,7 @@ def _stat(pid: int) -> tuple[int, str, int] | None:
     fields = raw[raw.rindex(")") + 2 :].split()
     ppid = int(fields[1])
     utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
-    return ppid, comm, utime + stime + cutime + cstime
+    return ppid, comm, utime + stime, cutime + cstime
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class CpuSplit:
     jvm: float
     """Spark's JVM (a ``java`` process)."""
     workers: float
-    """Every process the JVM started: Spark's Python workers, where a Python source reads and
-    a Python sink writes (persist's own code on executors runs there, beside pyspark's)."""
+    """Every process the JVM started, those that exited since included: Spark's Python workers,
+    where a Python source reads and a Python sink writes (persist's own code on executors runs
+    there, beside pyspark's)."""
     driver: float
     """This process and anything else it started."""
 
@@ -60,14 +61,14 @@ def tree_cpu_split() -> CpuSplit | None:
     JVM, its Python workers and the rest; None off Linux."""
     if not os.path.isdir("/proc/self"):
         return None
-    stats: dict[int, tuple[int, str, int]] = {}
+    stats: dict[int, tuple[int, str, int, int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
             if st is not None:
                 stats[int(name)] = st
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in stats.items():
+    for pid, (ppid, *_) in stats.items():
         children.setdefault(ppid, []).append(pid)
     ticks = {"jvm": 0, "workers": 0, "driver": 0}
     todo = [(os.getpid(), "driver")]
@@ -75,11 +76,14 @@ def tree_cpu_split() -> CpuSplit | None:
         pid, kind = todo.pop()
         if pid not in stats:
             continue
-        _, comm, cpu = stats[pid]
+        _, comm, own, reaped = stats[pid]
         if kind == "driver" and comm == "java":
             kind = "jvm"
-        ticks[kind] += cpu
         below = "workers" if kind in ("jvm", "workers") else "driver"
+        ticks[kind] += own
+        # A child that exited (a streaming query's Python runner, a worker the JVM stopped)
+        # left its CPU to its parent: it is still the kind of the children.
+        ticks[below] += reaped
         todo.extend((child, below) for child in children.get(pid, ()))
     return CpuSplit(*(ticks[k] / _TICKS for k in ("jvm", "workers", "driver")))
 
