@@ -32,14 +32,14 @@ def _stat(pid: int) -> tuple[int, str, int, int] | None:
 
 @dataclass(frozen=True)
 class CpuSplit:
-    """CPU seconds of this process tree, by who spent them."""
+    """CPU seconds spent between two :class:`CpuSample`, by who spent them."""
 
     jvm: float
     """Spark's JVM (a ``java`` process)."""
     workers: float
-    """Every process the JVM started, those that exited since included: Spark's Python workers,
-    where a Python source reads and a Python sink writes (persist's own code on executors runs
-    there, beside pyspark's)."""
+    """Every process the JVM started, those that exited meanwhile included: Spark's Python
+    workers, where a Python source reads and a Python sink writes (persist's own code on
+    executors runs there, beside pyspark's)."""
     driver: float
     """This process and anything else it started."""
 
@@ -48,17 +48,38 @@ class CpuSplit:
         """All of it."""
         return self.jvm + self.workers + self.driver
 
-    def __sub__(self, before: CpuSplit) -> CpuSplit:
-        return CpuSplit(
-            round(self.jvm - before.jvm, 2),
-            round(self.workers - before.workers, 2),
-            round(self.driver - before.driver, 2),
-        )
+
+_KINDS = ("jvm", "workers", "driver")
 
 
-def tree_cpu_split() -> CpuSplit | None:
-    """CPU seconds used so far by this process tree (live processes and reaped children), by
-    JVM, its Python workers and the rest; None off Linux."""
+@dataclass(frozen=True)
+class CpuSample:
+    """The CPU ticks, so far, of every live process of this tree, and whose each is."""
+
+    procs: dict[int, tuple[str, int, int, str]]
+    """pid -> (its kind, its own ticks, the ticks of its reaped children, their kind)."""
+
+    def __sub__(self, before: CpuSample) -> CpuSplit:
+        """What each kind spent since ``before``.
+
+        A process alive at both counts its own growth, and one started since all of its
+        own; what children reaped meanwhile spent is in their parent's reaped ticks, less
+        what those that were alive at ``before`` had spent by then. Never below zero (a
+        process its parent left to init takes its last ticks with it).
+        """
+        ticks = dict.fromkeys(_KINDS, 0)
+        for pid, (kind, own, reaped, below) in self.procs.items():
+            then = before.procs.get(pid)
+            ticks[kind] += own - (then[1] if then else 0)
+            ticks[below] += reaped - (then[2] if then else 0)
+        for pid, (kind, own, reaped, _) in before.procs.items():
+            if pid not in self.procs:  # exited: its whole CPU went to its parent's reaped
+                ticks[kind] -= own + reaped
+        return CpuSplit(*(round(max(ticks[k], 0) / _TICKS, 2) for k in _KINDS))
+
+
+def tree_cpu_sample() -> CpuSample | None:
+    """The CPU of this process tree's live processes, each by kind; None off Linux."""
     if not os.path.isdir("/proc/self"):
         return None
     stats: dict[int, tuple[int, str, int, int]] = {}
@@ -70,7 +91,7 @@ def tree_cpu_split() -> CpuSplit | None:
     children: dict[int, list[int]] = {}
     for pid, (ppid, *_) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    ticks = {"jvm": 0, "workers": 0, "driver": 0}
+    procs: dict[int, tuple[str, int, int, str]] = {}
     todo = [(os.getpid(), "driver")]
     while todo:
         pid, kind = todo.pop()
@@ -80,15 +101,6 @@ def tree_cpu_split() -> CpuSplit | None:
         if kind == "driver" and comm == "java":
             kind = "jvm"
         below = "workers" if kind in ("jvm", "workers") else "driver"
-        ticks[kind] += own
-        # A child that exited (a streaming query's Python runner, a worker the JVM stopped)
-        # left its CPU to its parent: it is still the kind of the children.
-        ticks[below] += reaped
+        procs[pid] = (kind, own, reaped, below)
         todo.extend((child, below) for child in children.get(pid, ()))
-    return CpuSplit(*(ticks[k] / _TICKS for k in ("jvm", "workers", "driver")))
-
-
-def tree_cpu_seconds() -> float | None:
-    """CPU seconds used so far by this process tree (live processes and reaped children)."""
-    split = tree_cpu_split()
-    return None if split is None else split.total
+    return CpuSample(procs)
