@@ -3,20 +3,28 @@
 On a shared machine a scan's wall time swings with the load while the CPU it
 burns moves far less, so the Spark benchmarks print both: a change that cuts
 work shows in CPU seconds even when other jobs drown it in the wall times.
+Split by who spent it (the JVM, its Python workers, the rest), it also shows
+what a Python source's or sink's own code cost beside a do-nothing peer's.
 Linux only (it reads ``/proc``); elsewhere the figure is ``None``.
+
+Spark's worker daemon ignores SIGCHLD, so a worker that exits leaves its CPU
+to nobody (no parent's reaped-children ticks): :class:`CpuMeter` therefore
+samples every process of the tree while the measured piece runs and counts
+each by what it was last seen to have spent.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
+from types import TracebackType
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat(pid: int) -> tuple[int, str, int, int] | None:
-    """(parent pid, command name, CPU ticks of the process, CPU ticks of its reaped
-    children), or None if gone."""
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, command name, CPU ticks of the process itself), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode()
@@ -25,14 +33,12 @@ def _stat(pid: int) -> tuple[int, str, int, int] | None:
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
     comm = raw[raw.index("(") + 1 : raw.rindex(")")]
     fields = raw[raw.rindex(")") + 2 :].split()
-    ppid = int(fields[1])
-    utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
-    return ppid, comm, utime + stime, cutime + cstime
+    return int(fields[1]), comm, int(fields[11]) + int(fields[12])
 
 
 @dataclass(frozen=True)
 class CpuSplit:
-    """CPU seconds spent between two :class:`CpuSample`, by who spent them."""
+    """CPU seconds spent while a :class:`CpuMeter` ran, by who spent them."""
 
     jvm: float
     """Spark's JVM (a ``java`` process)."""
@@ -52,37 +58,11 @@ class CpuSplit:
 _KINDS = ("jvm", "workers", "driver")
 
 
-@dataclass(frozen=True)
-class CpuSample:
-    """The CPU ticks, so far, of every live process of this tree, and whose each is."""
-
-    procs: dict[int, tuple[str, int, int, str]]
-    """pid -> (its kind, its own ticks, the ticks of its reaped children, their kind)."""
-
-    def __sub__(self, before: CpuSample) -> CpuSplit:
-        """What each kind spent since ``before``.
-
-        A process alive at both counts its own growth, and one started since all of its
-        own; what children reaped meanwhile spent is in their parent's reaped ticks, less
-        what those that were alive at ``before`` had spent by then. Never below zero (a
-        process its parent left to init takes its last ticks with it).
-        """
-        ticks = dict.fromkeys(_KINDS, 0)
-        for pid, (kind, own, reaped, below) in self.procs.items():
-            then = before.procs.get(pid)
-            ticks[kind] += own - (then[1] if then else 0)
-            ticks[below] += reaped - (then[2] if then else 0)
-        for pid, (kind, own, reaped, _) in before.procs.items():
-            if pid not in self.procs:  # exited: its whole CPU went to its parent's reaped
-                ticks[kind] -= own + reaped
-        return CpuSplit(*(round(max(ticks[k], 0) / _TICKS, 2) for k in _KINDS))
-
-
-def tree_cpu_sample() -> CpuSample | None:
-    """The CPU of this process tree's live processes, each by kind; None off Linux."""
+def tree_cpu_sample() -> dict[int, tuple[str, int]] | None:
+    """pid -> (kind, CPU ticks so far) of this process tree's live processes; None off Linux."""
     if not os.path.isdir("/proc/self"):
         return None
-    stats: dict[int, tuple[int, str, int, int]] = {}
+    stats: dict[int, tuple[int, str, int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
@@ -91,16 +71,72 @@ def tree_cpu_sample() -> CpuSample | None:
     children: dict[int, list[int]] = {}
     for pid, (ppid, *_) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    procs: dict[int, tuple[str, int, int, str]] = {}
+    procs: dict[int, tuple[str, int]] = {}
     todo = [(os.getpid(), "driver")]
     while todo:
         pid, kind = todo.pop()
         if pid not in stats:
             continue
-        _, comm, own, reaped = stats[pid]
+        _, comm, ticks = stats[pid]
         if kind == "driver" and comm == "java":
             kind = "jvm"
+        procs[pid] = (kind, ticks)
         below = "workers" if kind in ("jvm", "workers") else "driver"
-        procs[pid] = (kind, own, reaped, below)
         todo.extend((child, below) for child in children.get(pid, ()))
-    return CpuSample(procs)
+    return procs
+
+
+class CpuMeter:
+    """``with CpuMeter() as m: ...``; then ``m.split`` (None off Linux) is what the tree spent.
+
+    Samples the tree at entry, every ``interval_s`` on a thread, and at exit; each process
+    counts what it spent between its first and its last sighting (from zero if it started
+    meanwhile). A process that lives less than ``interval_s`` may go unseen, and one that
+    exits loses what it spent after its last sighting: Spark's workers live across tasks,
+    and idle out before they exit. One sample reads ``/proc`` once (a few ms).
+    """
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self._interval_s = interval_s
+        self._first: dict[int, tuple[str, int]] = {}
+        self._last: dict[int, tuple[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.split: CpuSplit | None = None
+
+    def _sample(self) -> bool:
+        procs = tree_cpu_sample()
+        if procs is None:
+            return False
+        self._last.update(procs)
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sample()
+
+    def __enter__(self) -> CpuMeter:
+        first = tree_cpu_sample()
+        if first is not None:
+            self._first = first
+            self._last = dict(first)
+            self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        ticks = dict.fromkeys(_KINDS, 0)
+        for pid, (kind, spent) in self._last.items():
+            then = self._first.get(pid)
+            ticks[kind] += spent - (then[1] if then is not None else 0)
+        self.split = CpuSplit(*(round(ticks[k] / _TICKS, 2) for k in _KINDS))

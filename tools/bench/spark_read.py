@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pyspark_persist.tools.bench.cpu import tree_cpu_sample
+from pyspark_persist.tools.bench.cpu import CpuMeter
 
 MiB = 1 << 20
 PARQUET_TARGET = 1.0
@@ -168,14 +168,13 @@ def read_batch(rows: int) -> pa.RecordBatch:
 
 def _scan(df: Any) -> Scan:
     """One full scan, every column read."""
-    cpu = tree_cpu_sample()
-    started = time.perf_counter()
-    df.selectExpr("sum(id)", "sum(x)", "sum(length(s))").collect()
-    seconds = time.perf_counter() - started
-    after = tree_cpu_sample()
-    if cpu is None or after is None:
+    with CpuMeter() as meter:
+        started = time.perf_counter()
+        df.selectExpr("sum(id)", "sum(x)", "sum(length(s))").collect()
+        seconds = time.perf_counter() - started
+    spent = meter.split
+    if spent is None:
         return Scan(seconds, None)
-    spent = after - cpu
     return Scan(seconds, round(spent.total, 2), spent.workers)
 
 

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pyspark_persist.tools.bench.cpu import tree_cpu_sample
+from pyspark_persist.tools.bench.cpu import CpuMeter
 
 MiB = 1 << 20
 ROW_BYTES = 8 + 8 + 32 + 4
@@ -287,13 +287,12 @@ def _throughput(
     least_worker_cpu: dict[str, float] = {}
     for _ in range(ROUNDS):  # interleaved, so a slow spell of the machine hits every writer
         for name, write in writers.items():
-            cpu = tree_cpu_sample()
-            started = time.perf_counter()
-            write()
-            best[name] = min(best[name], time.perf_counter() - started)
-            after = tree_cpu_sample()
-            if cpu is not None and after is not None:
-                spent = after - cpu
+            with CpuMeter() as meter:
+                started = time.perf_counter()
+                write()
+                best[name] = min(best[name], time.perf_counter() - started)
+            spent = meter.split
+            if spent is not None:
                 least_cpu[name] = min(least_cpu.get(name, float("inf")), spent.total)
                 least_worker_cpu[name] = min(
                     least_worker_cpu.get(name, float("inf")), spent.workers
