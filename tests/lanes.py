@@ -17,10 +17,13 @@ tests' waits. Which test runs where is not left to chance:
   fixtures are made once; units are handed out whole, the largest first.
 * ``free`` tests start no JVM; they are handed out a few at a time.
 
-The first worker takes the session tests, then ``jvm`` units, then ``free``
-tests; every other worker takes ``free`` tests, then ``jvm`` units. So the
-long ``jvm`` units start on whichever worker runs out of its own work first,
-and the ``free`` tests balance the end of the run.
+The first worker takes the session tests first. After that, and from the
+start on every other worker, a worker takes a ``jvm`` unit that is ready, else
+``free`` tests, else a ``jvm`` unit that is not ready yet. A unit is ready once
+the jobs that ``early`` runs in the background for its fixtures (the class-data
+sharing archive, the wheel, the fresh install) are done: until then its tests
+would only wait. So the long ``jvm`` units start as soon as they can, beside the
+session tests, and the many short ``free`` tests even out the end of the run.
 
 The kinds are decided where the items are (in each worker, at collection:
 ``write_kinds``), from the items' fixtures and marks, and read by the
@@ -36,6 +39,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import early
 import pytest
 from xdist.remote import Producer
 from xdist.scheduler import LoadScheduling
@@ -79,9 +83,15 @@ def write_kinds(config: pytest.Config, items: Sequence[pytest.Item]) -> None:
     basetemp = getattr(config.option, "basetemp", None)
     if not worker or not basetemp:
         return
+    kinds = {item.nodeid: kind(item) for item in items}
+    needs: dict[str, set[str]] = {}
+    for item in items:
+        jobs = early.jobs_of(getattr(item, "fixturenames", ()))
+        if kinds[item.nodeid].startswith("jvm:"):
+            needs.setdefault(kinds[item.nodeid], set()).update(jobs)
     path = _kinds_file(Path(basetemp).parent, worker)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({item.nodeid: kind(item) for item in items}))
+    tmp.write_text(json.dumps({"kinds": kinds, "needs": {u: sorted(n) for u, n in needs.items()}}))
     tmp.replace(path)
 
 
@@ -104,18 +114,29 @@ class LaneScheduling(LoadScheduling):
         self.units: list[list[int]] = []
         self.free_q: list[int] = []
         self.kinds: dict[int, str] = {}
+        self.needs: dict[str, list[str]] = {}
+        """For each ``jvm`` unit, the ``early`` jobs its tests wait for."""
 
     # --- queues -------------------------------------------------------------------------
 
+    def _basetemp(self) -> Path:
+        return Path(self.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
+
     def _read_kinds(self) -> dict[str, str]:
-        basetemp = self.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
         kinds: dict[str, str] = {}
         for node in self.node2collection:
             try:
-                kinds.update(json.loads(_kinds_file(basetemp, node.gateway.id).read_text()))
+                written = json.loads(_kinds_file(self._basetemp(), node.gateway.id).read_text())
             except (OSError, ValueError):
                 continue
+            kinds.update(written["kinds"])
+            self.needs.update(written["needs"])
         return kinds
+
+    def _ready(self, unit: list[int]) -> bool:
+        """Whether the ``early`` jobs the unit's tests wait for are done."""
+        jobs = self.needs.get(self.kinds[unit[0]], [])
+        return all(early.done(self._basetemp(), job) for job in jobs)
 
     def _queue(self, indices: Sequence[int], front: bool = False) -> None:
         """Put tests (back) in the queue of their kind, in collection order."""
@@ -156,14 +177,16 @@ class LaneScheduling(LoadScheduling):
         if self.session_q and node is (session_node or node):
             taken, self.session_q = self.session_q, []
             return taken
-        free_chunk = max(1, min(FREE_CHUNK, len(self.free_q) // (4 * len(self.node2pending))))
-        order = ("units", "free") if node is session_node else ("free", "units")
-        for which in order:
-            if which == "units" and self.units:
-                return self.units.pop(0)
-            if which == "free" and self.free_q:
-                taken, self.free_q = self.free_q[:free_chunk], self.free_q[free_chunk:]
-                return taken
+        for unit in self.units:
+            if self._ready(unit):
+                self.units.remove(unit)
+                return unit
+        if self.free_q:
+            chunk = max(1, min(FREE_CHUNK, len(self.free_q) // (4 * len(self.node2pending))))
+            taken, self.free_q = self.free_q[:chunk], self.free_q[chunk:]
+            return taken
+        if self.units:
+            return self.units.pop(0)
         return []
 
     # --- xdist's scheduling protocol --------------------------------------------------------
