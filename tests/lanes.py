@@ -210,14 +210,19 @@ class LaneScheduling(LoadScheduling):
     def check_schedule(self, node: WorkerController, duration: float = 0) -> None:
         if node.shutting_down:
             return
-        # A worker runs a test once it holds the next one (its teardown depends on it).
-        if len(self.node2pending[node]) >= 2:
-            return
-        taken = self._take(node)
-        if taken:
-            self.node2pending[node].extend(taken)
-            node.send_runtest_some(taken)
-        elif not self.pending:
+        # A worker runs a test once it holds the next one (its teardown depends on it), or
+        # once it is told that no more will come: so it holds two, or gets shut down.
+        pending = self.node2pending[node]
+        sent: list[int] = []
+        while len(pending) + len(sent) < 2:
+            taken = self._take(node)
+            if not taken:
+                break
+            sent += taken
+        if sent:
+            pending.extend(sent)
+            node.send_runtest_some(sent)
+        if not self.pending:
             node.shutdown()
 
     def remove_node(self, node: WorkerController) -> str | None:
