@@ -21,6 +21,16 @@ lane's thread and the processes it started get the test run's priority back
 (where the user may raise it, e.g. root), so that nothing else on the machine
 starves them; once the job is done they go back to the background's.
 
+Under pytest-xdist (``lanes``), the last worker runs the lane (it starts
+with JVM-free tests), and each job runs once for the whole run: under an
+exclusive lock on a file beside the workers' base temporary directories,
+whichever worker gets to it first runs it and leaves its result there
+(pickled) for the others; a job that failed leaves nothing, so the next
+worker to ask runs it again and sees the error itself. A worker waiting for
+a job of another worker's lane just blocks on that lock (it is idle then, so
+the lane has its core). The scheduler hands a unit of tests that need a job
+to a worker once the job is ``done``, so that rarely happens.
+
 Only jobs that no deadline can trip belong here. A Spark job whose Python
 workers start in the background can miss Spark's fixed deadline for them to
 connect back ("Python worker failed to connect back") while the foreground
@@ -31,9 +41,11 @@ the examples and the kill tests' runs were tried here.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -52,6 +64,39 @@ _lane: list[threading.Thread] = []
 NICE = 10
 RENICE_EVERY_S = 2.0
 """While a fixture waits: how often processes started since get their priority back."""
+
+
+def _shared_dir(basetemp: Path) -> Path:
+    """Where the jobs' results are shared, beside the xdist workers' base temporary dirs."""
+    return basetemp / "early-jobs"
+
+
+def done(basetemp: Path, name: str) -> bool:
+    """Whether the job ``name`` has run and left its result for xdist's workers."""
+    return (_shared_dir(basetemp) / f"{name}.pickle").exists()
+
+
+def jobs_of(fixtures: Iterable[str]) -> set[str]:
+    """The registered jobs behind ``fixtures``."""
+    return {f for f in fixtures if f in _registered}
+
+
+def _run(name: str, factory: pytest.TempPathFactory, env: dict[str, str]) -> Any:
+    """Run the job ``name``, once per run across xdist's workers (see the module's doc)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _registered[name](factory, env)
+    shared = _shared_dir(factory.getbasetemp().parent)
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{name}.pickle"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        value = _registered[name](factory, env)
+        partial = done.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(value))
+        partial.replace(done)
+        return value
 
 
 def register(fixture: str, job: Job, needs: tuple[str, ...] = ()) -> None:
@@ -96,7 +141,7 @@ def start(config: pytest.Config, fixtures: list[str]) -> None:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(_registered[n](factory, env))
+                fut.set_result(_run(n, factory, env))
             except BaseException as e:  # handed to the fixture that waits
                 fut.set_exception(e)
 
@@ -170,7 +215,7 @@ def result(fixture: str, factory: pytest.TempPathFactory) -> Any:
             fut.set_running_or_notify_cancel()
     if here:
         try:
-            fut.set_result(_registered[fixture](factory, dict(os.environ)))
+            fut.set_result(_run(fixture, factory, dict(os.environ)))
         except BaseException as e:  # raised below, as to every later caller
             fut.set_exception(e)
     restored: set[int] = set()
