@@ -202,6 +202,13 @@ def test_drop_yes_json_and_an_unheld_shard(
     assert names == [SHARD]
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C's default, so Python turns SIGINT into
+    KeyboardInterrupt even when this run ignores it (a shell starts a background job with
+    SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _tail(home: Path, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PERSIST_HOME": str(home)}
     return subprocess.Popen(
@@ -210,6 +217,7 @@ def _tail(home: Path, *args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,  # noqa: PLW1509 - signal.signal only, no locks taken
     )
 
 
