@@ -213,15 +213,15 @@ class _FileWriter(BlobWriter):
         """Write the full buffer to the file: directly if it can be, else buffered."""
         assert self._fd is not None and self._buf is not None
         if self._may_direct and not self._direct:
-            self._direct = self._set_direct(True)
-            self._may_direct = self._direct
+            self._direct = self._may_direct = self._set_direct(True)
         self._write_all(memoryview(self._buf)[: self._filled])
         if not self._direct and self._writeback:
             self._start_writeback()
         self._filled = 0
 
     def _set_direct(self, on: bool) -> bool:
-        """Turn ``O_DIRECT`` on or off for the file; False if the file system refuses it."""
+        """Turn ``O_DIRECT`` on or off for the file; whether it is on now (False if the file
+        system refused it)."""
         assert self._fd is not None and _O_DIRECT is not None
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
         try:
@@ -229,6 +229,10 @@ class _FileWriter(BlobWriter):
         except OSError:
             return False
         return on
+
+    def _stop_direct(self) -> None:
+        """Write the rest of the file buffered, for good."""
+        self._direct = self._may_direct = self._set_direct(False)
 
     def _write_all(self, view: memoryview) -> None:
         """``os.write`` until all of ``view`` is in the file. A direct write refused, or cut
@@ -241,12 +245,12 @@ class _FileWriter(BlobWriter):
                 if not (self._direct and e.errno == errno.EINVAL):
                     raise
                 # Took the flag, refused the write (some network and FUSE file systems).
-                self._direct = self._may_direct = self._set_direct(False)
+                self._stop_direct()
                 continue
             self._written += n
             view = view[n:]
             if self._direct and len(view) and n % _ALIGN:
-                self._direct = self._may_direct = self._set_direct(False)
+                self._stop_direct()
 
     def _start_writeback(self) -> None:
         """Start (not wait for) the disk write of the buffered bytes just written.

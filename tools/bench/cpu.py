@@ -140,3 +140,15 @@ class CpuMeter:
             then = self._first.get(pid)
             ticks[kind] += spent - (then[1] if then is not None else 0)
         self.split = CpuSplit(*(round(ticks[k] / _TICKS, 2) for k in _KINDS))
+
+
+def own_cpu(
+    workers: float | None, peer_workers: float | None, total: float | None
+) -> tuple[float, float] | None:
+    """A Python source's or sink's own cost: its workers' CPU beyond a do-nothing peer's (both
+    pay pyspark's transfer to or from the JVM), in seconds and as a share of its ``total``
+    CPU; None when a figure is missing (off Linux)."""
+    if workers is None or peer_workers is None or total is None:
+        return None
+    own = max(workers - peer_workers, 0.0)
+    return round(own, 2), round(own / max(total, 1e-9), 3)

@@ -50,7 +50,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pyspark_persist.tools.bench.cpu import CpuMeter
+from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
 PARQUET_TARGET = 1.0
@@ -395,15 +395,10 @@ def run(opts: Options) -> dict[str, Any]:
 
 
 def _own_cpu(persist: Timing, ceiling: Timing) -> dict[str, float] | None:
-    """What persist's own code cost in a scan: its Python workers' CPU beyond the no-I/O
-    source's (both pay pyspark's transfer to the JVM; the rest of persist's is fetching,
-    checking and decoding parts), in seconds and as a share of the scan's whole CPU."""
-    if None in (persist.worker_cpu_seconds, ceiling.worker_cpu_seconds, persist.cpu_seconds):
-        return None
-    assert persist.worker_cpu_seconds is not None and ceiling.worker_cpu_seconds is not None
-    assert persist.cpu_seconds is not None
-    own = max(persist.worker_cpu_seconds - ceiling.worker_cpu_seconds, 0.0)
-    return {"seconds": round(own, 2), "share": round(own / max(persist.cpu_seconds, 1e-9), 3)}
+    """What persist's own code cost in a scan (:func:`own_cpu` beside the no-I/O source: the
+    rest of persist's is fetching, checking and decoding parts)."""
+    own = own_cpu(persist.worker_cpu_seconds, ceiling.worker_cpu_seconds, persist.cpu_seconds)
+    return None if own is None else {"seconds": own[0], "share": own[1]}
 
 
 def format_report(report: dict[str, Any]) -> str:

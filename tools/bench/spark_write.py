@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pyspark_persist.tools.bench.cpu import CpuMeter
+from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
 ROW_BYTES = 8 + 8 + 32 + 4
@@ -479,18 +479,15 @@ def run(ns: argparse.Namespace) -> Report:
 
 
 def _own_cpu(by: dict[str, WriteFigures]) -> dict[str, tuple[float, float]]:
-    """Each persist mode's own CPU: its workers' beyond the discarding sink's of the same kind
-    (batch or streaming), in seconds and as a share of the write's whole CPU."""
+    """Each persist mode's :func:`own_cpu` beside the discarding sink of the same kind (batch
+    or streaming)."""
     out: dict[str, tuple[float, float]] = {}
     for mode in PEERS:
         ceiling = by["discard stream" if "stream" in mode else "discard"]
         mine = by[mode]
-        if None in (mine.worker_cpu_seconds, ceiling.worker_cpu_seconds, mine.cpu_seconds):
-            continue
-        assert mine.worker_cpu_seconds is not None and ceiling.worker_cpu_seconds is not None
-        assert mine.cpu_seconds is not None
-        own = max(mine.worker_cpu_seconds - ceiling.worker_cpu_seconds, 0.0)
-        out[mode] = (round(own, 2), round(own / max(mine.cpu_seconds, 1e-9), 3))
+        own = own_cpu(mine.worker_cpu_seconds, ceiling.worker_cpu_seconds, mine.cpu_seconds)
+        if own is not None:
+            out[mode] = own
     return out
 
 
