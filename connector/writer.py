@@ -210,7 +210,11 @@ def stage_rows(
             if rb.num_rows:
                 table = conform_columns(pa.Table.from_batches([rb]), target)
                 # Spark's batches usually have the target schema already: no cast to run.
-                builder.add(table if table.schema.equals(target) else table.cast(target))
+                table = table if table.schema.equals(target) else table.cast(target)
+                if has_diff:
+                    builder.add(table)
+                else:
+                    builder.add_inserts(table)
         staged = builder.finish()
     except BaseException:
         builder.abort()

@@ -222,6 +222,37 @@ def conform_updates(
     given = updates.columns  # one call: each Table.column(i) costs as much as all of them
     time = _checked_column(_source(given, plan.time), n, TIME, TIME_TYPE, 0)
     diff = _checked_column(_source(given, plan.diff), n, DIFF, DIFF_TYPE, 1)
+    columns = _row_columns(plan, given, n, schema, shard)
+    if plan.exact:
+        return updates, plan.has_time  # already in part layout: every column checked above
+    return pa.Table.from_arrays([*columns, time, diff], schema=plan.out_schema), plan.has_time
+
+
+def conform_inserts(rows: pa.Table, schema: pa.Schema, shard: str) -> pa.Table:
+    """Check rows that are all inserts at the commit's time against the shard's schema.
+
+    What :func:`conform_updates` checks of the row columns, for the insert-only
+    sink path: an ``arrow-rows`` part stores the row columns alone, so the
+    constant ``_time`` and ``_diff`` columns are never built (nor checked
+    constant and dropped again by the encoder: together 17% of staging in a
+    sink profile). Returns the rows with exactly the shard's columns.
+    """
+    plan = _conform_plan(rows.schema, schema, shard, False)
+    if plan.time is not None or plan.diff is not None:
+        raise InvalidUsage(
+            "rows staged as inserts carry no _time or _diff column: stage updates with "
+            "their own times or diffs through BatchBuilder.add"
+        )
+    columns = _row_columns(plan, rows.columns, rows.num_rows, schema, shard)
+    if rows.schema.equals(schema, check_metadata=True):
+        return rows
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _row_columns(
+    plan: _ConformPlan, given: list[pa.ChunkedArray], n: int, schema: pa.Schema, shard: str
+) -> list[pa.ChunkedArray | pa.Array]:
+    """The shard's row columns from ``given`` (absent ones null), non-nullable ones checked."""
     columns = [
         given[i] if i is not None else pa.nulls(n, f.type)
         for i, f in zip(plan.sources, schema, strict=True)
@@ -232,9 +263,7 @@ def conform_updates(
                 f"column {schema[i].name!r} of shard {shard!r} is non-nullable but "
                 f"{columns[i].null_count} updates have a null there: fill or drop those rows"
             )
-    if plan.exact:
-        return updates, plan.has_time  # already in part layout: every column checked above
-    return pa.Table.from_arrays([*columns, time, diff], schema=plan.out_schema), plan.has_time
+    return columns
 
 
 def _source(columns: list[pa.ChunkedArray], index: int | None) -> pa.ChunkedArray | None:
@@ -492,7 +521,7 @@ def _column_bounds(col: pa.ChunkedArray | pa.Array) -> tuple[Any, Any] | None:
 
     A column of one null-free chunk (what the Arrow part encoder hands over)
     takes a numpy path: floats in two SIMD passes that also reveal a NaN (numpy's
-    min propagates it), equal-width strings by :func:`_extreme_row`. In a sink
+    min propagates it), equal-width strings by :func:`_string_range`. In a sink
     profile Arrow's ``min_max`` over a 32-byte string column compared row by row
     and cost about as much as writing the part. Anything else goes to ``min_max``.
     """
@@ -508,7 +537,7 @@ def _column_bounds(col: pa.ChunkedArray | pa.Array) -> tuple[Any, Any] | None:
         if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
             values = _equal_width(arr)
             if values is not None:
-                return _extreme_row(values, largest=False), _extreme_row(values, largest=True)
+                return _string_range(values)
     if pa.types.is_float16(col.type):
         return None  # with nulls or in chunks: Arrow's min_max has no half-float kernel
     if pa.types.is_floating(col.type) and pc.any(pc.is_nan(col)).as_py():
@@ -542,39 +571,73 @@ def _equal_width(arr: pa.Array) -> _EqualWidth | None:
     return _EqualWidth(data if data is not None else pa.py_buffer(b""), first, n, width)
 
 
-def _extreme_row(values: _EqualWidth, largest: bool) -> str:
-    """The smallest (or largest) value of an equal-width string array, in bytewise order.
+def _string_range(values: _EqualWidth) -> tuple[str, str]:
+    """The smallest and largest value of an equal-width string array, in bytewise order.
 
     Bytewise order of UTF-8 is code point order, Python's ``str`` order and
-    Arrow's. Values are compared 8 bytes at a time as big-endian integers read
-    in place (a strided view, no copy), each window narrowing the candidates
-    to those that tie so far: one pass over the first 8 bytes of every value,
-    then (for distinct prefixes) next to nothing.
+    Arrow's. Values are compared 8 bytes at a time as big-endian integers, one
+    window of every row still in play at a time, each narrowing the candidates
+    to the rows that tie so far. The window's keys are converted to native
+    order once and serve the min and the max alike; a window where every row
+    ties (min equals max: a common prefix, such as zero padding) narrows
+    nothing, so it costs one pass and no index. A sink profile had the former
+    per-direction search at 0.6 ms per 65,536 rows of 32 bytes, 44% of staging.
     """
-    n, width = values.rows, values.width
-    if width == 0:
-        return ""
-    candidates: np.ndarray[Any, Any] | None = None
-    """Rows that tie so far (None: every row, not materialised for the first window)."""
-    for start in range(0, width, 8):
-        at = values.first + start
-        if start + 8 <= width:
-            window = np.ndarray((n,), ">u8", values.data, at, (width,))
-            keys = window if candidates is None else window[candidates]
-        else:  # the last, short window: the same bytes zero-padded in every value
-            tail = np.ndarray((n, width - start), np.uint8, values.data, at, (width, 1))
-            rows = tail if candidates is None else tail[candidates]
-            padded = np.zeros((len(rows), 8), np.uint8)
-            padded[:, : width - start] = rows
-            keys = padded.view(">u8").ravel()
-        best = keys.max() if largest else keys.min()
-        ties = np.flatnonzero(keys == best)
-        candidates = ties if candidates is None else candidates[ties]
-        if len(candidates) == 1:
+    if values.width == 0:
+        return "", ""
+    low: np.ndarray[Any, Any] | None = None
+    high: np.ndarray[Any, Any] | None = None
+    """Rows that tie so far for the min and the max (None: every row, not materialised)."""
+    for start in range(0, values.width, 8):
+        if low is None and high is None:
+            keys = _window_keys(values, start, None)
+            lo, hi = keys.min(), keys.max()
+            if lo == hi:
+                continue  # every row ties here
+            low = np.flatnonzero(keys == lo)
+            high = np.flatnonzero(keys == hi)
+        else:
+            low = _narrow(values, start, low, largest=False)
+            high = _narrow(values, start, high, largest=True)
+        if len(low) == 1 and len(high) == 1:
             break
-    assert candidates is not None
-    row = values.first + int(candidates[0]) * width
-    return memoryview(values.data)[row : row + width].tobytes().decode()
+    return _row_string(values, low), _row_string(values, high)
+
+
+def _narrow(
+    values: _EqualWidth, start: int, rows: np.ndarray[Any, Any] | None, largest: bool
+) -> np.ndarray[Any, Any]:
+    """The ``rows`` whose window at ``start`` holds their best key (all rows if None)."""
+    if rows is not None and len(rows) == 1:
+        return rows
+    keys = _window_keys(values, start, rows)
+    ties = np.flatnonzero(keys == (keys.max() if largest else keys.min()))
+    return ties if rows is None else rows[ties]
+
+
+def _window_keys(
+    values: _EqualWidth, start: int, rows: np.ndarray[Any, Any] | None
+) -> np.ndarray[Any, Any]:
+    """Bytes ``start:start + 8`` of each of ``rows`` (None: all) as native integers that
+    order as the bytes do (a short last window zero-padded alike in every value)."""
+    n, width = values.rows, values.width
+    at = values.first + start
+    if start + 8 <= width:
+        window = np.ndarray((n,), ">u8", values.data, at, (width,))
+        picked = window if rows is None else window[rows]
+    else:
+        tail = np.ndarray((n, width - start), np.uint8, values.data, at, (width, 1))
+        chosen = tail if rows is None else tail[rows]
+        padded = np.zeros((len(chosen), 8), np.uint8)
+        padded[:, : width - start] = chosen
+        picked = padded.view(">u8").ravel()
+    return picked.astype(np.uint64)
+
+
+def _row_string(values: _EqualWidth, rows: np.ndarray[Any, Any] | None) -> str:
+    """The value of the first of ``rows`` (None: every row ties, so row 0)."""
+    row = values.first + (0 if rows is None else int(rows[0])) * values.width
+    return memoryview(values.data)[row : row + values.width].tobytes().decode()
 
 
 def _has_stats(t: pa.DataType) -> bool:
@@ -730,6 +793,24 @@ class ArrowPartEncoder:
             return
         if self._rows_only:
             table = self._rows_of_inserts(table)
+        self._append(table)
+
+    def write_inserts(self, rows: pa.Table, time: int) -> None:
+        """Add row columns (no ``_time``, no ``_diff``), every row an insert at ``time``, to
+        an ``arrow-rows`` part: stored as they are, nothing to check constant."""
+        if not self._rows_only:
+            raise InvalidUsage(f"only an {ARROW_ROWS} part takes rows without _time and _diff")
+        if self._insert_time is None:
+            self._insert_time = time
+        elif self._insert_time != time:
+            raise InvalidUsage(
+                f"an {ARROW_ROWS} part holds inserts at one time only, not at {time} and "
+                f"{self._insert_time}"
+            )
+        if rows.num_rows:
+            self._append(rows)
+
+    def _append(self, table: pa.Table) -> None:
         self.rows += table.num_rows
         self._pending.append(table)
         self._pending_rows += table.num_rows

@@ -58,6 +58,7 @@ from .parts import (
     PART_FORMATS,
     RESERVED,
     ArrowPartEncoder,
+    conform_inserts,
     conform_updates,
     decode_schema,
     encode_inline,
@@ -173,23 +174,32 @@ class BatchBuilder:
         table, has_time = conform_updates(updates, self._schema, self._shard_id)
         self.add_conformed(table, has_time)
 
+    def add_inserts(self, rows: pa.Table) -> None:
+        """``add`` for rows of the shard's columns alone, every one an insert at the commit's
+        time (a sink's DataFrame without ``_diff``), into an ``arrow-rows`` batch.
+
+        Such a part stores the row columns alone: once it streams (past what may
+        still ride inline), the rows go to it as they are, checked by
+        ``conform_inserts``, without the constant ``_time`` and ``_diff``
+        columns ``add`` would build for the encoder to check and drop again.
+        """
+        if self._format != ARROW_ROWS:
+            raise InvalidUsage(f"add_inserts stages {ARROW_ROWS} parts, not {self._format}")
+        rows = conform_inserts(rows, self._schema, self._shard_id)
+        if self._may_ride_inline():
+            self.add(rows)  # in part layout, as every update held back
+            return
+        self._check_open(has_time=False)
+        if rows.num_rows:
+            self._add_arrow(rows, inserts=True)
+
     def add_conformed(self, table: pa.Table, has_time: bool) -> None:
         """``add`` for updates already passed through ``conform_updates`` (no second check)."""
-        if self._finished:
-            raise InvalidUsage("this batch builder was already finished or aborted")
+        self._check_open(has_time)
         if table.num_rows == 0:
             return
-        if self._has_time is None:
-            self._has_time = has_time
-        elif self._has_time != has_time:
-            raise InvalidUpdates(
-                "some updates given to one batch carry a _time column and some do not; "
-                "give every update a _time, or none (the commit then assigns one)"
-            )
         if self._format in (ARROW, ARROW_ROWS):
-            if self._inline_limit > 0 and self._encoder is None and not self._done:
-                # Nothing streamed yet: hold tiny updates back, they may be the whole write
-                # and then ride inline (no Blob object, no upload at all).
+            if self._may_ride_inline():
                 if self._buffered_bytes + table.nbytes <= self._inline_limit:
                     self._buffer.append(table)
                     self._buffered_bytes += table.nbytes
@@ -226,8 +236,29 @@ class BatchBuilder:
             if self._buffered_bytes >= target:
                 self._flush()
 
-    def _add_arrow(self, table: pa.Table) -> None:
-        """Stream updates into the open Arrow part; commit it once it holds the target bytes."""
+    def _check_open(self, has_time: bool) -> None:
+        """Refuse a finished builder, and updates whose ``_time`` presence differs from the
+        batch's so far."""
+        if self._finished:
+            raise InvalidUsage("this batch builder was already finished or aborted")
+        if self._has_time is None:
+            self._has_time = has_time
+        elif self._has_time != has_time:
+            raise InvalidUpdates(
+                "some updates given to one batch carry a _time column and some do not; "
+                "give every update a _time, or none (the commit then assigns one)"
+            )
+
+    def _may_ride_inline(self) -> bool:
+        """Nothing streamed or uploaded yet: tiny updates are held back, they may be the
+        whole write and then ride inline (no Blob object, no upload at all)."""
+        return self._inline_limit > 0 and self._encoder is None and not self._done
+
+    def _add_arrow(self, table: pa.Table, inserts: bool = False) -> None:
+        """Stream updates into the open Arrow part; commit it once it holds the target bytes.
+
+        ``inserts``: ``table`` holds row columns alone (see :meth:`add_inserts`).
+        """
         target = self._config.part_target_bytes
         started = time.perf_counter()
         while table.num_rows:
@@ -235,10 +266,13 @@ class BatchBuilder:
                 self._open_arrow(table.schema)
             assert self._encoder is not None
             room = self._encoder.rows_room(target, table)
-            if table.num_rows < room:
-                self._encoder.write(table)
+            head = table if table.num_rows < room else table.slice(0, room)
+            if inserts:
+                self._encoder.write_inserts(head, 0)  # no _time: zero, rewritten at commit
+            else:
+                self._encoder.write(head)
+            if head is table:
                 break
-            self._encoder.write(table.slice(0, room))
             table = table.slice(room)
             self._submit_arrow()
         self._add_upload_s(time.perf_counter() - started)

@@ -15,7 +15,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter_parts
@@ -26,6 +28,7 @@ from pyspark_persist.state.parts import (
     PARQUET,
     LeasedPart,
     PartStats,
+    _column_bounds,
     conform_updates,
     fetch_part_bytes,
     iter_part_batches,
@@ -279,6 +282,69 @@ def test_arrow_rows_refuses_updates_that_are_not_inserts_at_one_time(client: Any
         with pytest.raises(InvalidUsage, match="arrow-rows part holds inserts"):
             stage(client, shard, [updates], ARROW_ROWS)
     assert not list(client.blob.list_keys("not-inserts/"))
+
+
+def builder_for(client: Any, shard: Any, fmt: str = ARROW_ROWS, **kw: Any) -> BatchBuilder:
+    return BatchBuilder(
+        client.blob, shard.machine.shard_id, SCHEMA, client.config, part_format=fmt, **kw
+    )
+
+
+def test_rows_added_as_inserts_stage_the_parts_add_stages(client: Any) -> None:
+    """add_inserts (the sink's path: row columns alone, nothing constant built) stages what
+    add does from the same rows: parts near the target size holding every row once, each
+    an insert at time 0 whose column ranges are its stored rows', inline while the write is
+    tiny, and the same updates read back once committed."""
+    shard = client.open_shard("inserts", SCHEMA)
+    inputs = [rows(150, i * 150) for i in range(30)]
+    via_add, via_inserts = builder_for(client, shard), builder_for(client, shard)
+    for t in inputs:
+        via_add.add(t)
+        via_inserts.add_inserts(t)
+    a, b = via_add.finish(), via_inserts.finish()
+    assert len(b.parts) > 3 and not b.has_time and not a.has_time
+    assert sum(p.rows for p in a.parts) == sum(p.rows for p in b.parts) == 4500
+    target = client.config.part_target_bytes
+    for p in b.parts:
+        assert p.key is not None and p.fmt == ARROW_ROWS and p.size_bytes < 2 * target
+        assert (p.min_time, p.max_time, p.dmin, p.dmax) == (0, 0, 1, 1)
+        stored = pa.ipc.open_stream(pa.py_buffer(client.blob.get(p.key))).read_all()
+        assert stored.column_names == SCHEMA.names and stored.num_rows == p.rows
+        ranges = {n: pc.min_max(stored.column(n)).values() for n in ("id", "x", "name")}
+        assert p.stats == {n: (lo.as_py(), hi.as_py()) for n, (lo, hi) in ranges.items()}
+    shard.writer().compare_and_append_batches([b], 0, 4, ts_rewrite=3)
+    expected = as_counter(rows(4500).append_column(DIFF, pa.repeat(1, 4500)))
+    assert as_counter(shard.reader().snapshot_table(3)) == expected
+    tiny = builder_for(client, shard)
+    tiny.add_inserts(rows(3, 10_000))
+    assert [p.inline is not None for p in tiny.finish().parts] == [True]
+
+
+def test_add_inserts_refuses_updates_and_nulls_before_writing(client: Any) -> None:
+    """Rows given as inserts must be the shard's row columns: a _time or _diff column, a
+    null in a non-nullable column, or a builder of another format is refused by name, and
+    nothing reaches Blob."""
+    schema = pa.schema([pa.field("id", pa.int64(), nullable=False), ("x", pa.float64())])
+    shard = client.open_shard("refused", schema)
+    good = pa.table({"id": list(range(2000)), "x": [0.5] * 2000}, schema)
+    cases = [
+        (good.append_column(DIFF, pa.repeat(pa.scalar(1, pa.int64()), 2000)), "no _time or _diff"),
+        (good.append_column(TIME, pa.repeat(pa.scalar(0, pa.uint64()), 2000)), "no _time or _diff"),
+        (pa.table({"id": [1, None] * 1000, "x": [0.5] * 2000}), "'id' .* non-nullable"),
+    ]
+    for streaming in (False, True):
+        for bad, message in cases:
+            builder = BatchBuilder(
+                client.blob, shard.machine.shard_id, schema, client.config, part_format=ARROW_ROWS
+            )
+            if streaming:
+                builder.add_inserts(pa.concat_tables([good] * 20))  # a part is streaming
+            with pytest.raises((InvalidUsage, InvalidUpdates), match=message):
+                builder.add_inserts(bad)
+            builder.abort()
+    assert not list(client.blob.list_keys("refused/"))
+    with pytest.raises(InvalidUsage, match="add_inserts stages arrow-rows parts, not arrow"):
+        builder_for(client, client.open_shard("arrow-fmt", SCHEMA), ARROW).add_inserts(rows(5))
 
 
 @pytest.mark.parametrize("fmt", [ARROW, ARROW_ROWS])
@@ -540,6 +606,8 @@ def test_parquet_part_streams_into_blob_and_its_crc_verifies(tmp_path: Path) -> 
         ["中a", "a中", "éé", "bbbb"],  # 4 bytes each, some multi-byte
         ["", "", ""],
         ["b", "ab", "abc", "x"],  # unequal widths
+        ["%032x" % (i * 2654435761 % 2**62) for i in range(3000)],  # the benchmark's: 16 zeros
+        ["aaaaaaaaaab" + "z" * 9, "aaaaaaaaaaa" + "z" * 9, "aaaaaaaaaab" + "a" * 9] * 3,  # ties
     ],
 )
 @pytest.mark.parametrize("typ", [pa.string(), pa.large_string()])
@@ -553,6 +621,22 @@ def test_string_ranges_equal_arrows_min_max(values: list[str], typ: pa.DataType)
         ref = part_ref(conform_updates(table, schema, "s")[0], "k", None, 1, None, ARROW)
         assert ref.stats is not None
         assert ref.stats["s"] == (min(table.column("s").to_pylist()), max(table["s"].to_pylist()))
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 16, 23, 40])
+def test_string_ranges_of_many_tied_prefixes_equal_arrows_min_max(width: int) -> None:
+    """Equal-width values over a two-letter alphabet tie in many 8-byte windows, the min's and
+    the max's candidates narrowing apart: the range is still Arrow's min_max."""
+    rng = np.random.default_rng(width)
+    for _ in range(20):
+        rows = int(rng.integers(1, 400))
+        prefix = "p" * int(rng.integers(0, width + 1))
+        values = [
+            (prefix + "".join(rng.choice(["a", "b"], size=width)))[:width] for _ in range(rows)
+        ]
+        col = pa.array(values)
+        lo, hi = pc.min_max(col).values()
+        assert _column_bounds(col) == (lo.as_py(), hi.as_py())
 
 
 @pytest.mark.parametrize(
