@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from pyspark_persist.schema import read_schema
@@ -39,10 +40,26 @@ def test_no_io_partitions_split_the_rows_evenly() -> None:
     assert [p.rows for p in reader.partitions()] == [3, 3, 2, 2]
 
 
+def test_in_memory_source_yields_distinct_copies_of_the_no_io_rows() -> None:
+    """The in-memory peer hands over as many rows as the no-I/O one, the same values, but
+    every batch of a task in buffers of its own (the no-I/O source repeats one batch)."""
+    rows = 3 * 65536 + 11
+    schema = read_schema(SCHEMA)
+    (part,) = NoIOReader(schema, rows, 1, read_batch, distinct=True).partitions()
+    got = list(NoIOReader(schema, rows, 1, read_batch, distinct=True).read(part))
+    same = list(NoIOReader(schema, rows, 1, read_batch).read(part))
+    assert sum(b.num_rows for b in got) == sum(b.num_rows for b in same) == rows
+    assert all(a.equals(b) for a, b in zip(got, same, strict=True))
+
+    def data_address(batch: pa.RecordBatch) -> int:
+        return int(batch.column(0).buffers()[1].address)
+
+    assert len({data_address(b) for b in got}) == len(got)
+    assert len({data_address(b) for b in same}) == 1
+
+
 def test_discard_writer_drains_its_task_input() -> None:
     """A task's every batch is pulled from Spark (so the transfer is timed in full)."""
-    import pyarrow as pa
-
     from pyspark_persist.tools.bench.ceiling import DiscardWriter
 
     pulled = []

@@ -8,6 +8,12 @@ the API's, the benchmarks run two do-nothing peers in the same Spark session:
 
 - ``persist-bench-no-io``: a source that yields ``rows`` rows of the read schema from
   batches built once in memory (no fetch, no decode), over ``partitions`` tasks;
+- ``persist-bench-in-memory``: the same, but every batch a task yields is a distinct copy
+  held in its worker's memory (built on the worker's first task and kept), so every byte
+  Spark takes is a byte of its own, as a real source's are (persist's: its parts in the
+  page cache), and none is fetched, checked or decoded. The no-I/O source hands over one
+  batch again and again, whose few MiB stay in the CPU's caches: beside it, any source
+  that reads distinct data also pays the memory traffic of Spark's transfer;
 - ``persist-bench-discard``: a sink whose tasks count the Arrow batches they receive
   and keep nothing (batch writes), and whose streaming writer drains them and commits
   nothing: the per-phase floor of any Python streaming sink;
@@ -36,6 +42,7 @@ from pyspark.sql.streaming.datasource import ReadLimit
 from pyspark.sql.types import LongType, StructField, StructType
 
 NO_IO = "persist-bench-no-io"
+IN_MEMORY = "persist-bench-in-memory"
 DISCARD = "persist-bench-discard"
 NO_IO_STREAM = "persist-bench-no-io-stream"
 BATCH_ROWS = 65536
@@ -57,6 +64,23 @@ def _batch(make_batch: Callable[[int], pa.RecordBatch], rows: int) -> pa.RecordB
     return batch
 
 
+_copies: dict[tuple[str, str, int], list[pa.RecordBatch]] = {}
+"""The in-memory source's distinct batches, per Python worker process (grown to the largest
+share a task of it was asked for), so a timed scan builds none of them."""
+
+
+def _distinct_batches(
+    make_batch: Callable[[int], pa.RecordBatch], rows: int, total: int
+) -> list[pa.RecordBatch]:
+    """At least ``total`` rows as distinct copies of the ``rows``-row batch."""
+    key = (make_batch.__module__, make_batch.__qualname__, rows)
+    copies = _copies.setdefault(key, [])
+    batch = _batch(make_batch, rows)
+    while len(copies) * rows < total:
+        copies.append(pa.concat_batches([batch]))  # a copy: buffers of its own
+    return copies
+
+
 class NoIOPartition(InputPartition):
     """One task's share of the rows."""
 
@@ -65,7 +89,8 @@ class NoIOPartition(InputPartition):
 
 
 class NoIOReader(DataSourceReader):
-    """Yields the same in-memory batch over and over: only Spark's transfer costs."""
+    """Yields the same in-memory batch over and over: only Spark's transfer costs; with
+    ``distinct``, a distinct in-memory copy each time (see the module doc)."""
 
     def __init__(
         self,
@@ -73,11 +98,13 @@ class NoIOReader(DataSourceReader):
         rows: int,
         partitions: int,
         make_batch: Callable[[int], pa.RecordBatch],
+        distinct: bool = False,
     ) -> None:
         self._schema = schema
         self._rows = rows
         self._partitions = partitions
         self._make_batch = make_batch
+        self._distinct = distinct
 
     def partitions(self) -> list[NoIOPartition]:
         """``rows`` spread evenly over ``partitions`` tasks."""
@@ -88,17 +115,28 @@ class NoIOReader(DataSourceReader):
         """Yield one batch (built once per worker) over and over, its last slice at the end,
         until the share is out."""
         assert isinstance(partition, NoIOPartition)
-        batch = _batch(self._make_batch, BATCH_ROWS)
         left = partition.rows
+        if self._distinct:
+            batches = _distinct_batches(self._make_batch, BATCH_ROWS, left)
+        else:
+            batches = [_batch(self._make_batch, BATCH_ROWS)]
+        i = 0
         while left > 0:
+            batch = batches[i % len(batches)]
             yield batch if left >= batch.num_rows else batch.slice(0, left)
             left -= batch.num_rows
+            i += 1
 
 
 def no_io_source(
-    struct: StructType, rows: int, partitions: int, make_batch: Callable[[int], pa.RecordBatch]
+    struct: StructType,
+    rows: int,
+    partitions: int,
+    make_batch: Callable[[int], pa.RecordBatch],
+    distinct: bool = False,
 ) -> type[DataSource]:
-    """A source class named ``NO_IO`` that yields ``rows`` rows of ``make_batch`` batches.
+    """A source class named ``NO_IO`` (``IN_MEMORY`` if ``distinct``) that yields ``rows``
+    rows of ``make_batch`` batches.
 
     ``make_batch(n)`` must return an ``n``-row batch exactly in Spark's Arrow form of
     ``struct``. The class carries its settings, so registering it is all it takes.
@@ -107,13 +145,13 @@ def no_io_source(
     class NoIOSource(DataSource):
         @classmethod
         def name(cls) -> str:
-            return NO_IO
+            return IN_MEMORY if distinct else NO_IO
 
         def schema(self) -> StructType:
             return struct
 
         def reader(self, schema: StructType) -> DataSourceReader:
-            return NoIOReader(schema, rows, partitions, make_batch)
+            return NoIOReader(schema, rows, partitions, make_batch, distinct)
 
     return NoIOSource
 

@@ -23,6 +23,9 @@ so every column is read) of:
   yields the same number of rows, already in memory as Arrow batches of persist's read
   schema, one partition per core. No Python source, persist included, can read faster
   than this; when it is below Spark's Parquet reader, so is every Python source.
+- the same source yielding a distinct in-memory copy for every batch (``ceiling.py``'s
+  in-memory peer): what handing Spark distinct data costs beyond the one repeated batch,
+  and the peer persist's own code is also measured against.
 
 Each is run ``--repeat`` times after one warm-up, in rounds of one scan of each reader (a
 session's JVM keeps warming up over its first scans); the best time counts, and beside it the
@@ -61,6 +64,7 @@ CEILING_TARGET = 0.9
 COLD_TARGET = 1.5
 """The session's first read may take at most this many times the warm read."""
 CEILING = "python source, no I/O"
+IN_MEMORY = "python source, in memory"
 """The timing of the API-ceiling peer (see ``ceiling.py``)."""
 SHARD = "bench-spark-read"
 OVERWRITTEN = "bench-spark-read-overwritten"
@@ -256,12 +260,14 @@ def _persist_df(spark: Any, home: str, shard: str, partitions: int) -> Any:
     )
 
 
-def _no_io_df(spark: Any, rows: int, cores: int) -> Any:
+def _no_io_df(spark: Any, rows: int, cores: int, distinct: bool = False) -> Any:
     from pyspark_persist.schema import read_schema
+    from pyspark_persist.tools.bench.ceiling import IN_MEMORY as IN_MEMORY_SOURCE
     from pyspark_persist.tools.bench.ceiling import NO_IO, no_io_source
 
-    spark.dataSource.register(no_io_source(read_schema(SCHEMA), rows, cores, read_batch))
-    return spark.read.format(NO_IO).load()
+    source = no_io_source(read_schema(SCHEMA), rows, cores, read_batch, distinct)
+    spark.dataSource.register(source)
+    return spark.read.format(IN_MEMORY_SOURCE if distinct else NO_IO).load()
 
 
 COLD_SOURCES = ("persist", "no-io")
@@ -338,6 +344,7 @@ def run(opts: Options) -> dict[str, Any]:
             )
             readers["spark parquet"] = spark.read.parquet(parquet_dir)
             readers[CEILING] = _no_io_df(spark, nrows, opts.cores)
+            readers[IN_MEMORY] = _no_io_df(spark, nrows, opts.cores, distinct=True)
             scans = _best_interleaved(list(readers.values()), opts.repeat)
             timings = [
                 _timing(name, df, scan, mib)
@@ -362,7 +369,8 @@ def run(opts: Options) -> dict[str, Any]:
     finally:
         if opts.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    one, two, over_one, over_two, parquet, ceiling, cold, warm, ceiling_cold, ceiling_warm = timings
+    one, two, over_one, over_two, parquet, ceiling, in_memory, *cold_probes = timings
+    cold, warm, ceiling_cold, ceiling_warm = cold_probes
     appended = min(one.seconds, two.seconds)
     over = over_one if over_one.seconds <= over_two.seconds else over_two
     vs_parquet = parquet.seconds / appended
@@ -394,6 +402,13 @@ def run(opts: Options) -> dict[str, Any]:
         "cold_target": COLD_TARGET,
         "cold_ok": cold_ratio <= COLD_TARGET,
         "own_cpu": {"appended": _own_cpu(best, ceiling), "overwritten": _own_cpu(over, ceiling)},
+        "in_memory_vs_ceiling": round(ceiling.seconds / in_memory.seconds, 3),
+        "persist_vs_in_memory": round(in_memory.seconds / appended, 3),
+        "overwritten_vs_in_memory": round(in_memory.seconds / over.seconds, 3),
+        "own_cpu_vs_in_memory": {
+            "appended": _own_cpu(best, in_memory),
+            "overwritten": _own_cpu(over, in_memory),
+        },
     }
 
 
@@ -443,16 +458,25 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['cold_vs_ceiling_cold']:.2f}x; 2-way split / 1-way: "
         f"{report['split_speedup']:.2f}x"
     )
-    own = report.get("own_cpu") or {}
-    if own.get("appended") and own.get("overwritten"):
+    if "persist_vs_in_memory" in report:
         lines.append(
-            "  persist's own code (its Python workers' CPU beyond the no-I/O source's): "
-            + ", ".join(
-                f"{kind} {own[kind]['seconds']:.2f} s = {100 * own[kind]['share']:.1f}% of its "
-                "scan's CPU"
-                for kind in ("appended", "overwritten")
-            )
+            f"  persist / in-memory Python source (distinct batches, no I/O): appended "
+            f"{report['persist_vs_in_memory']:.2f}x, overwritten "
+            f"{report['overwritten_vs_in_memory']:.2f}x; that source / the no-I/O one: "
+            f"{report['in_memory_vs_ceiling']:.2f}x (the memory traffic of handing Spark "
+            "distinct data)"
         )
+    for key, peer in (("own_cpu", "no-I/O"), ("own_cpu_vs_in_memory", "in-memory")):
+        own = report.get(key) or {}
+        if own.get("appended") and own.get("overwritten"):
+            lines.append(
+                f"  persist's own code (its Python workers' CPU beyond the {peer} source's): "
+                + ", ".join(
+                    f"{kind} {own[kind]['seconds']:.2f} s = {100 * own[kind]['share']:.1f}% "
+                    "of its scan's CPU"
+                    for kind in ("appended", "overwritten")
+                )
+            )
     return "\n".join(lines)
 
 
