@@ -26,6 +26,7 @@ from pyspark_persist.writer import (
     PersistBatchWriter,
     PersistCommitMessage,
     PersistStreamWriter,
+    _in_target,
     read_sink_metrics,
 )
 
@@ -506,3 +507,19 @@ def test_with_pubsub_a_new_query_after_a_drop_creates_the_shard_again(
     assert shard.schema.names == names
     table = shard.reader().snapshot_table()
     assert sorted(table.column(names[0]).to_pylist()) == (["a", "b"] if new_schema else [1, 2])
+
+
+def test_spark_batches_take_the_staging_schema_without_a_copy_or_are_cast() -> None:
+    """A batch whose types are the target's (Spark marks spark.range's id non-nullable, the
+    target has it nullable) gets the target schema over its own buffers; other types are
+    cast, and a column the DataFrame lacks reads null."""
+    target = pa.schema([("id", pa.int64()), ("s", pa.string()), ("extra", pa.float64())])
+    spark_schema = pa.schema([pa.field("id", pa.int64(), nullable=False), ("s", pa.string())])
+    same_types = pa.table({"id": [1, 2], "s": ["a", None]}, spark_schema)
+    got = _in_target(same_types, target)
+    assert got.schema.equals(target) and got.to_pylist()[1] == {"id": 2, "s": None, "extra": None}
+    before, after = same_types.column("id").chunk(0), got.column("id").chunk(0)
+    assert after.buffers()[1].address == before.buffers()[1].address  # no copy
+    narrower = pa.table({"id": pa.array([7], pa.int32()), "s": ["b"]})
+    cast = _in_target(narrower, target)
+    assert cast.schema.equals(target) and cast.to_pylist() == [{"id": 7, "s": "b", "extra": None}]
