@@ -7,16 +7,21 @@ row only if the head is what the caller expected. Because the new SeqNo must be
 ``expected + 1``, two racers that both pass the WHERE insert the same primary
 key and the database lets at most one commit; the loser gets a unique
 violation, reported as :class:`CaSMismatch`. The happy path is therefore one
-statement; on PostgreSQL (autocommit) it is sent after the pool's pre-ping of the
-connection, so it costs two round trips (the ping is what tells a connection a
-server restart broke, to be discarded, from a CaS whose outcome is unknown).
+statement. On PostgreSQL (autocommit) a connection that ran a CaS in the last
+``_PG_REUSE_S`` seconds is kept checked out for the next one and checked locally
+first: its socket must have nothing to read (a server restart or a terminated
+backend leaves an EOF or an error message there, the one thing an idle CaS
+connection ever receives). So a busy writer's CaS is one round trip; any other
+goes through the pool's pre-ping, a second round trip. Either check tells a
+connection already broken, to be discarded (surely not applied), from a CaS
+whose outcome is unknown.
 
 The compare-and-set, the one statement on every write's path, runs straight on
 the driver's connection (the statement compiled by SQLAlchemy once): SQLite's
-on one connection kept checked out for it, PostgreSQL's on one the pool hands
-out (pre-pinged). SQLAlchemy's per-call connection, transaction and result
-objects cost about as much as SQLite's own work. Everything else goes through
-SQLAlchemy Core.
+on one connection kept checked out for it, PostgreSQL's on a recently used one
+(see above) or one the pool hands out (pre-pinged). SQLAlchemy's per-call
+connection, transaction and result objects cost about as much as SQLite's own
+work. Everything else goes through SQLAlchemy Core.
 
 The table is created by the first compare_and_set into a database that
 lacks it (``CREATE TABLE IF NOT EXISTS``); opening a store (which touches
@@ -54,8 +59,10 @@ import os
 import re
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable
+from select import POLLIN, poll
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import (
@@ -113,6 +120,13 @@ DEFAULT_CONNECT_TIMEOUT_S = 5
 """libpq's default is to wait forever; a dead host should fail an open in seconds."""
 
 _BUSY_TIMEOUT_MS = 10_000
+_PG_REUSE_S = 10.0
+"""A PostgreSQL CaS connection idle longer than this goes back to the pool (pinged before its
+next use): a socket that broke silently (a NAT's timeout, no FIN) shows nothing to read, so the
+local check only vouches for a connection a CaS used moments ago."""
+_PG_KEEP = 2
+"""PostgreSQL CaS connections kept checked out at most (the rest go back to the pool, which the
+store's reads share)."""
 _WRITE_OPTION = "persist_write"
 """Execution option marking a SQLite transaction that must start with BEGIN IMMEDIATE."""
 
@@ -213,7 +227,9 @@ def _dispose_after_fork() -> None:
         consensus._engine.dispose(close=False)
         # The CaS connection too: kept referenced, never closed nor reset by this process.
         _INHERITED.append(consensus._cas_connection)
+        _INHERITED.extend(fairy for fairy, _ in consensus._pg_idle)
         consensus._cas_connection = None
+        consensus._pg_idle = []
         consensus._cas_lock = threading.Lock()
 
 
@@ -237,6 +253,9 @@ class SqlConsensus(Consensus):
         self._cas_lock = threading.Lock()
         self._cas_connection: PoolProxiedConnection | None = None
         """SQLite: the pooled connection compare-and-sets run on, kept checked out."""
+        self._pg_idle: list[tuple[PoolProxiedConnection, float]] = []
+        """PostgreSQL: connections kept checked out after a CaS, with when it ended
+        (``time.monotonic``); guarded by ``_cas_lock``."""
         self._compiled: dict[int, tuple[Any, str, tuple[str, ...] | None]] = {}
         """Statements run on the driver directly, by id: (statement, SQL, positional names)."""
         _OPEN.add(self)
@@ -389,6 +408,9 @@ class SqlConsensus(Consensus):
         _OPEN.discard(self)
         with self._cas_lock:
             self._drop_cas_connection(invalidate=False)
+            idle, self._pg_idle = self._pg_idle, []
+        for fairy, _ in idle:
+            fairy.close()
         self._engine.dispose()
 
     def _create_table(self) -> None:
@@ -523,23 +545,25 @@ class SqlConsensus(Consensus):
             raise _Failed(error, self._detail(error), sent=False) from e
 
     def _postgres_cas_attempt(self, sql: str, args: Any) -> bool:
-        """One PostgreSQL compare-and-set straight on a pooled psycopg connection.
+        """One PostgreSQL compare-and-set straight on a psycopg connection.
 
-        The checkout is the pool's, pre-ping included, so a connection a
+        The connection is one a CaS used moments ago, checked locally, or the
+        pool's, pre-ping included (see the module doc), so a connection a
         server restart broke is replaced before the statement is sent (a
         failure there is ``sent=False``: surely not applied). Then one
         autocommit statement, without SQLAlchemy's per-call connection,
-        transaction and result objects. A connection that failed is discarded.
+        transaction and result objects. A connection that failed is discarded;
+        one that succeeded is kept for the next CaS.
         """
-        fairy = self._checkout()
+        fairy = self._pg_cas_connection()
         conn = fairy.driver_connection
         assert conn is not None
         dbapi = self._engine.dialect.loaded_dbapi
         try:
             try:
-                return int(conn.execute(sql, args).rowcount) == 1
+                inserted = int(conn.execute(sql, args).rowcount) == 1
             except dbapi.IntegrityError:
-                return False  # a racer inserted this (shard, seqno) first: it won
+                inserted = False  # a racer inserted this (shard, seqno) first: it won
             except dbapi.Error as e:
                 disconnect = self._engine.dialect.is_disconnect(e, conn, None)
                 error = DBAPIError.instance(
@@ -548,11 +572,33 @@ class SqlConsensus(Consensus):
                 if disconnect or self._kind(error) == _TRANSIENT:
                     fairy.invalidate()
                 raise _Failed(error, self._detail(error), sent=True) from e
-            except BaseException:
+        except BaseException as e:
+            if not isinstance(e, _Failed):
                 fairy.invalidate()  # state unknown: never reuse it
-                raise
-        finally:
             fairy.close()  # back to the pool (a no-op once invalidated)
+            raise
+        with self._cas_lock:
+            if len(self._pg_idle) < _PG_KEEP:
+                self._pg_idle.append((fairy, time.monotonic()))
+                return inserted
+        fairy.close()
+        return inserted
+
+    def _pg_cas_connection(self) -> PoolProxiedConnection:
+        """A connection a CaS used in the last ``_PG_REUSE_S`` seconds whose socket has
+        nothing to read; else the pool's (pinged)."""
+        while True:
+            with self._cas_lock:
+                if not self._pg_idle:
+                    break
+                fairy, used = self._pg_idle.pop()
+            if time.monotonic() - used > _PG_REUSE_S:
+                fairy.close()  # the pool pings it before handing it out again
+            elif _untouched(fairy):
+                return fairy
+            else:
+                fairy.invalidate()  # closed by the server (or spoken to): never reuse it
+        return self._checkout()
 
     def _sqlite_cas_attempt(self, sql: str, args: Any) -> bool:
         """One SQLite compare-and-set on the connection kept checked out for them.
@@ -688,6 +734,20 @@ _TRANSIENT_SQLSTATES = frozenset(
     }
 )
 """SQLSTATEs worth retrying (besides class 08, connection exceptions)."""
+
+
+def _untouched(fairy: PoolProxiedConnection) -> bool:
+    """Whether an idle psycopg connection is open with nothing waiting on its socket (a
+    terminated backend's error message, or the EOF of a server gone), without a round trip."""
+    conn = fairy.driver_connection
+    if conn is None or conn.closed or conn.broken:
+        return False
+    try:
+        waiting = poll()
+        waiting.register(conn.fileno(), POLLIN)
+        return not waiting.poll(0)  # POLLIN, POLLHUP or POLLERR: something came
+    except (OSError, ValueError):
+        return False
 
 
 def _redact(url: URL) -> str:

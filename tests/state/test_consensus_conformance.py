@@ -384,6 +384,62 @@ def test_connection_lost_during_cas_is_indeterminate(
     assert consensus.compare_and_set(key, 1, VersionedData(2, b"b")) == CaSCommitted()
 
 
+def _cas_backend(store: Consensus) -> int:
+    """The server process of the connection the store keeps for its next CaS."""
+    ((fairy, _),) = store._pg_idle  # type: ignore[attr-defined]
+    return int(fairy.driver_connection.info.backend_pid)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("consensus_uri", ["postgres"], indirect=True)
+def test_back_to_back_cas_reuse_their_connection_without_the_pool_ping(
+    consensus: Consensus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CaS right after another runs on its connection, not one the pool pings first (one
+    round trip instead of two); one whose connection sat idle past _PG_REUSE_S goes through
+    the pool again."""
+    key = new_key()
+    append(consensus, key, b"a")
+    backend = _cas_backend(consensus)
+    checkouts = []
+    real = consensus._checkout  # type: ignore[attr-defined]
+    monkeypatch.setattr(consensus, "_checkout", lambda: checkouts.append(1) or real())
+    append(consensus, key, b"b", b"c")
+    assert checkouts == [] and _cas_backend(consensus) == backend
+    monkeypatch.setattr(sql, "_PG_REUSE_S", 0.0)
+    append(consensus, key, b"d")
+    assert checkouts == [1]
+    assert seqnos(consensus, key) == [1, 2, 3, 4]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("consensus_uri", ["postgres"], indirect=True)
+def test_cas_connection_terminated_while_idle_is_replaced_before_sending(
+    consensus: Consensus, postgres_url: str
+) -> None:
+    """A kept CaS connection whose backend the server ended while it sat idle (a restart, an
+    administrator's pg_terminate_backend) is found broken before the next CaS is sent: that
+    CaS commits on a new connection, once, instead of failing as Indeterminate."""
+    key = new_key()
+    append(consensus, key, b"a")
+    backend = _cas_backend(consensus)
+    ((kept, _),) = consensus._pg_idle  # type: ignore[attr-defined]
+    assert sql._untouched(kept)
+    admin = open_consensus(postgres_url)
+    try:
+        with admin._engine.connect() as conn:  # type: ignore[attr-defined]
+            assert conn.execute(text(f"SELECT pg_terminate_backend({backend})")).scalar()
+    finally:
+        admin.close()
+    deadline = time.monotonic() + 5
+    while sql._untouched(kept) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the server's goodbye reaches the socket
+    assert not sql._untouched(kept)
+    assert consensus.compare_and_set(key, 1, VersionedData(2, b"b")) == CaSCommitted()
+    assert _cas_backend(consensus) != backend
+    assert [row.data for row in consensus.scan(key, 0)] == [b"a", b"b"]
+
+
 def test_sqlite_lock_held_elsewhere_is_determinate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
