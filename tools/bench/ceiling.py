@@ -12,8 +12,9 @@ the API's, the benchmarks run two do-nothing peers in the same Spark session:
   held in its worker's memory (built on the worker's first task and kept), so every byte
   Spark takes is a byte of its own, as a real source's are (persist's: its parts in the
   page cache), and none is fetched, checked or decoded. The no-I/O source hands over one
-  batch again and again, whose few MiB stay in the CPU's caches: beside it, any source
-  that reads distinct data also pays the memory traffic of Spark's transfer;
+  batch again and again, whose few MiB may stay in the CPU's caches; this peer shows
+  whether that flatters the ceiling (on 2026-11-26 it did not: 1.01-1.04x the no-I/O
+  source's throughput);
 - ``persist-bench-discard``: a sink whose tasks count the Arrow batches they receive
   and keep nothing (batch writes), and whose streaming writer drains them and commits
   nothing: the per-phase floor of any Python streaming sink;
@@ -56,8 +57,12 @@ would otherwise pay in every scan, understating it. Keyed by the builder's name,
 Spark hands each task a fresh unpickled copy of the function."""
 
 
+def _key(make_batch: Callable[[int], pa.RecordBatch], rows: int) -> tuple[str, str, int]:
+    return make_batch.__module__, make_batch.__qualname__, rows
+
+
 def _batch(make_batch: Callable[[int], pa.RecordBatch], rows: int) -> pa.RecordBatch:
-    key = (make_batch.__module__, make_batch.__qualname__, rows)
+    key = _key(make_batch, rows)
     batch = _batches.get(key)
     if batch is None:
         batch = _batches[key] = make_batch(rows)
@@ -73,8 +78,7 @@ def _distinct_batches(
     make_batch: Callable[[int], pa.RecordBatch], rows: int, total: int
 ) -> list[pa.RecordBatch]:
     """At least ``total`` rows as distinct copies of the ``rows``-row batch."""
-    key = (make_batch.__module__, make_batch.__qualname__, rows)
-    copies = _copies.setdefault(key, [])
+    copies = _copies.setdefault(_key(make_batch, rows), [])
     batch = _batch(make_batch, rows)
     while len(copies) * rows < total:
         copies.append(pa.concat_batches([batch]))  # a copy: buffers of its own
@@ -112,8 +116,8 @@ class NoIOReader(DataSourceReader):
         return [NoIOPartition(self._rows // n + (1 if i < self._rows % n else 0)) for i in range(n)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """Yield one batch (built once per worker) over and over, its last slice at the end,
-        until the share is out."""
+        """Yield one batch (built once per worker) over and over, or with ``distinct`` each
+        of the worker's copies in turn, the last slice at the end, until the share is out."""
         assert isinstance(partition, NoIOPartition)
         left = partition.rows
         if self._distinct:

@@ -24,8 +24,8 @@ so every column is read) of:
   schema, one partition per core. No Python source, persist included, can read faster
   than this; when it is below Spark's Parquet reader, so is every Python source.
 - the same source yielding a distinct in-memory copy for every batch (``ceiling.py``'s
-  in-memory peer): what handing Spark distinct data costs beyond the one repeated batch,
-  and the peer persist's own code is also measured against.
+  in-memory peer): whether handing Spark distinct data costs more than the one repeated
+  batch, and the peer persist's own code is also measured against.
 
 Each is run ``--repeat`` times after one warm-up, in rounds of one scan of each reader (a
 session's JVM keeps warming up over its first scans); the best time counts, and beside it the
@@ -463,8 +463,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"  persist / in-memory Python source (distinct batches, no I/O): appended "
             f"{report['persist_vs_in_memory']:.2f}x, overwritten "
             f"{report['overwritten_vs_in_memory']:.2f}x; that source / the no-I/O one: "
-            f"{report['in_memory_vs_ceiling']:.2f}x (the memory traffic of handing Spark "
-            "distinct data)"
+            f"{report['in_memory_vs_ceiling']:.2f}x"
         )
     for key, peer in (("own_cpu", "no-I/O"), ("own_cpu_vs_in_memory", "in-memory")):
         own = report.get(key) or {}
