@@ -777,6 +777,14 @@ class ArrowPartEncoder:
         size, header included), or before any batch is written from the first
         ``incoming`` table's size: measuring every incoming table's ``nbytes``
         walked its string columns' offsets, once per Spark batch.
+
+        A part that holds at least one whole batch ends on a whole batch (up to
+        one batch under the target; past it only if the estimate shrank below
+        what the part already holds). Every batch a reader gets is then full,
+        and inputs of exactly ``batch_rows`` rows (Spark's Arrow batches with
+        ``spark.sql.execution.arrow.maxRecordsPerBatch`` at persist's batch
+        size) are stored as they come, never copied to coalesce: a part cut
+        inside one would leave every later input straddling two batches.
         """
         written = self.rows - self._pending_rows
         if written:
@@ -785,7 +793,11 @@ class ArrowPartEncoder:
             if self._row_bytes is None:
                 self._row_bytes = max(incoming.nbytes / max(incoming.num_rows, 1), 1.0)
             per_row = self._row_bytes
-        return max(1, int(target_bytes / per_row) - self.rows)
+        fits = int(target_bytes / per_row)
+        if fits < self._batch_rows:
+            return max(1, fits - self.rows)
+        room = fits - fits % self._batch_rows - self.rows
+        return room if room > 0 else self._batch_rows - self.rows % self._batch_rows
 
     def write(self, table: pa.Table) -> None:
         """Add updates in part layout."""

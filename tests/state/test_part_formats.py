@@ -491,6 +491,61 @@ def test_arrow_parts_coalesce_small_inputs_into_full_read_batches(tmp_path: Path
     c.close()
 
 
+def _part_batch_rows(c: Any, parts: list[PartRef]) -> list[list[int]]:
+    """Each part's stored record batches, as row counts."""
+    out = []
+    for part in parts:
+        data = fetch_part_bytes(c.blob, part, "whole")
+        out.append([b.num_rows for b in iter_part_batches(data, part, "whole")])
+    return out
+
+
+@pytest.mark.parametrize("fmt", [ARROW, ARROW_ROWS])
+def test_inputs_of_whole_batches_are_stored_as_they_come_across_parts(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inputs of exactly ``read_batch_rows`` rows (Spark's Arrow batches at persist's batch
+    size) spread over several parts: every part ends on a whole batch, so no input is split
+    across two stored batches and none is copied to coalesce, and the rows read back in
+    order."""
+    config = PersistConfig(read_batch_rows=100, part_target_bytes=12 << 10, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    shard = c.open_shard("whole", SCHEMA)
+    concats: list[int] = []
+    real_concat = pa.concat_tables
+
+    def counted_concat(*args: Any, **kwargs: Any) -> pa.Table:
+        concats.append(1)
+        return real_concat(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "concat_tables", counted_concat)
+    staged = stage(c, shard, [rows(100, i * 100) for i in range(30)], fmt)
+    monkeypatch.setattr(pa, "concat_tables", real_concat)
+    assert not concats
+    assert len(staged.parts) >= 3
+    assert all(sizes == [100] * len(sizes) for sizes in _part_batch_rows(c, staged.parts))
+    assert all(p.size_bytes <= config.part_target_bytes for p in staged.parts[:-1])
+    shard.writer().compare_and_append_batches([staged], 0, 1, ts_rewrite=0)
+    got = shard.reader().snapshot_table(0).select(SCHEMA.names).sort_by("id")
+    assert got.equals(rows(3000))
+    c.close()
+
+
+def test_parts_of_odd_inputs_end_on_whole_batches(tmp_path: Path) -> None:
+    """Inputs of odd sizes spread over several parts: each part but the last holds whole
+    batches only (a reader never gets a short batch mid-shard), each within the target."""
+    config = PersistConfig(read_batch_rows=100, part_target_bytes=12 << 10, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    shard = c.open_shard("odd-parts", SCHEMA)
+    staged = stage(c, shard, [rows(130, i * 130) for i in range(25)], ARROW_ROWS)
+    sizes = _part_batch_rows(c, staged.parts)
+    assert len(sizes) >= 3
+    assert all(s == [100] * len(s) for s in sizes[:-1])
+    assert sum(map(sum, sizes)) == 3250
+    assert all(p.size_bytes <= config.part_target_bytes for p in staged.parts[:-1])
+    c.close()
+
+
 def test_arrow_part_streams_to_blob_as_rows_arrive_and_its_crc_verifies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

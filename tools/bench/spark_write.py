@@ -24,6 +24,11 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   Target: each persist mode >= 1.0x its Parquet peer in the same mode (append
   into what earlier rounds wrote, overwrite, and for the streaming append the
   file sink, each streaming writer starting from an empty shard or directory).
+  ``--arrow-batch-rows N`` sets ``spark.sql.execution.arrow.maxRecordsPerBatch``
+  for the run: Spark hands every Python sink (persist's and the discarding one)
+  N-row Arrow batches instead of its default 10,000; at 65,536, persist's
+  stored batch, persist stores them as they come instead of copying them
+  together (see README, "Tuning bulk writes").
 - **Write-to-visible latency** of a streaming pipeline: a rate-limited
   ``rate`` source -> sink -> source of the same format -> ``foreachBatch`` on
   the driver, which records ``now - the row's creation time`` (the rate
@@ -57,6 +62,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
@@ -78,6 +84,8 @@ of virtual machine: a byte written to a file costs the kernel a page of page cac
 page the guest never touched before costs several times one an overwrite just freed (a sink
 profile put the copy into fresh pages at 45% of its Python workers' CPU at 1 GiB)."""
 LATENCY_TARGET = 0.5
+ARROW_BATCH_ROWS_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
+DEFAULT_BATCH_ROWS = PersistConfig.read_batch_rows
 
 
 @dataclass
@@ -117,6 +125,8 @@ class Report:
     size_mib: float
     partitions: int
     master: str
+    arrow_batch_rows: int | None = None
+    """``--arrow-batch-rows``: the run's Arrow batch size into Python sinks (None: Spark's)."""
     write: list[WriteFigures] = field(default_factory=list)
     latency: list[LatencyFigures] = field(default_factory=list)
     write_ratio: float = 0.0
@@ -174,6 +184,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="samples of the first seconds are dropped (default 8; 5 quick)",
     )
+    parser.add_argument(
+        "--arrow-batch-rows",
+        type=int,
+        default=None,
+        help="rows per Arrow batch Spark hands a Python sink "
+        "(spark.sql.execution.arrow.maxRecordsPerBatch; default Spark's, 10000). At "
+        f"{DEFAULT_BATCH_ROWS}, persist's stored batch, persist's parts take Spark's batches "
+        "as they come. Parquet's writer does not use Arrow: only the Python sinks see it",
+    )
     parser.add_argument("--skip-latency", action="store_true", help="throughput only")
     parser.add_argument("--skip-throughput", action="store_true", help="latency only")
     parser.add_argument(
@@ -183,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _session(master: str) -> Any:
+def _session(master: str, arrow_batch_rows: int | None = None) -> Any:
     from pyspark.sql import SparkSession
 
     # Spark's Python workers run this interpreter, so they import this pyspark_persist
@@ -201,6 +220,8 @@ def _session(master: str) -> Any:
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
+    if arrow_batch_rows is not None:
+        spark.conf.set(ARROW_BATCH_ROWS_CONF, str(arrow_batch_rows))
     if not any(m.name == "pyspark_persist" for m in pkgutil.iter_modules()):
         from pyspark_persist import DefaultSource  # an editable install: not auto-discovered
 
@@ -448,9 +469,11 @@ def run(ns: argparse.Namespace) -> Report:
         "blob": f"file://{os.path.abspath(workdir)}/blob",
         "consensus": f"sqlite:///{os.path.abspath(workdir)}/consensus.db",
     }
-    spark = _session(ns.master)
+    spark = _session(ns.master, ns.arrow_batch_rows)
     parts = ns.partitions or spark.sparkContext.defaultParallelism
-    report = Report(size_mib=size, partitions=parts, master=ns.master)
+    report = Report(
+        size_mib=size, partitions=parts, master=ns.master, arrow_batch_rows=ns.arrow_batch_rows
+    )
     try:
         if not ns.skip_throughput:
             report.write = _throughput(spark, size, ns.partitions, opts, workdir)
@@ -499,7 +522,15 @@ def _own_cpu(by: dict[str, WriteFigures]) -> dict[str, tuple[float, float]]:
 
 def render(report: Report) -> str:
     """The report as a human-readable table."""
-    lines = [f"persist bench spark-write ({report.master}, {report.partitions} partitions)"]
+    batches = (
+        "Spark's default Arrow batches"
+        if report.arrow_batch_rows is None
+        else f"{report.arrow_batch_rows:,}-row Arrow batches"
+    )
+    lines = [
+        f"persist bench spark-write ({report.master}, {report.partitions} partitions, "
+        f"{batches} into Python sinks)"
+    ]
     if report.write:
         lines.append(f"\nWrite throughput, {report.size_mib:g} MiB cached DataFrame:")
         lines.append(

@@ -1,0 +1,29 @@
+"""``persist bench spark-write``'s options and report, without Spark."""
+
+from __future__ import annotations
+
+import argparse
+
+from pyspark_persist.tools.bench import spark_write
+from pyspark_persist.tools.bench.spark_write import Report, WriteFigures, render
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    spark_write.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_arrow_batch_rows_defaults_to_sparks_and_is_named_in_the_report() -> None:
+    """Without the option the run keeps Spark's Arrow batch size and says so; with it the
+    header names the batch size every Python sink of the run was handed."""
+    assert _parse([]).arrow_batch_rows is None
+    ns = _parse(["--arrow-batch-rows", "65536"])
+    assert ns.arrow_batch_rows == spark_write.DEFAULT_BATCH_ROWS == 65536
+    figures = [WriteFigures("persist append", 10, 1.0, 10.0, 1.0)]
+    default = render(Report(size_mib=1.0, partitions=2, master="local[2]", write=figures))
+    assert "Spark's default Arrow batches into Python sinks" in default.splitlines()[0]
+    tuned = render(
+        Report(size_mib=1.0, partitions=2, master="local[2]", arrow_batch_rows=65536, write=figures)
+    )
+    assert "65,536-row Arrow batches into Python sinks" in tuned.splitlines()[0]
