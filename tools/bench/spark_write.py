@@ -17,8 +17,9 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   into the persist sink, into Spark's Parquet file sink, and into the discarding
   sink's streaming form (the ceiling of a Python streaming sink: its micro-batch
   commits cost what any Python sink's do). The writers run
-  in turn, ROUNDS times (the first round also starts their workers), and each
-  writer's best round counts. Rows/s and MiB/s of each (MiB = the rows' Arrow
+  in turn, ROUNDS times, each Python sink after an untimed write of a few rows
+  through the same path (Spark reaps Python workers idle for a minute: see
+  WARM_UP_ROWS), and each writer's best round counts. Rows/s and MiB/s of each (MiB = the rows' Arrow
   bytes, 52 a row), the least CPU seconds a round cost (Spark's JVM and Python
   workers; steadier than wall time on a loaded machine) and the ratios.
   Target: each persist mode >= 1.0x its Parquet peer in the same mode (append
@@ -84,6 +85,16 @@ of virtual machine: a byte written to a file costs the kernel a page of page cac
 page the guest never touched before costs several times one an overwrite just freed (a sink
 profile put the copy into fresh pages at 45% of its Python workers' CPU at 1 GiB)."""
 LATENCY_TARGET = 0.5
+WARM_UP_ROWS = 4
+"""Rows per partition of the untimed write each Python sink makes just before its timed one.
+
+Spark reaps a Python worker idle for a minute, and a 1 GiB round of the eight writers takes
+longer: each timed write then forked its planner, task and committer workers anew, and the
+CPU of their start-up (pyspark's imports, the sink's) fell in its window. In one 1 GiB run the
+discarding sink's workers spent 2.46 CPU s of which its tasks' own threads took 1.0, and
+persist's append, first of its round, 1.4 s more than its overwrite. Warmed by a few rows
+through the same path, every timed write measures the steady state the rounds are meant to.
+"""
 ARROW_BATCH_ROWS_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 DEFAULT_BATCH_ROWS = PersistConfig.read_batch_rows
 
@@ -259,12 +270,17 @@ def _throughput(
     source_dir = os.path.join(workdir, "stream-source")
     df.write.parquet(source_dir)  # the streaming writers' input, written once
     stream_schema = df.schema
+    # A few rows in every partition: what a writer's untimed warm-up writes (see WARM_UP).
+    tiny = df.limit(WARM_UP_ROWS * parts).repartition(parts).cache()
+    tiny.count()
+    tiny_dir = os.path.join(workdir, "warm-up-source")
+    tiny.write.parquet(tiny_dir)
 
-    def stream(fmt: str, sink_opts: dict[str, str], target: str) -> None:
+    def stream(fmt: str, sink_opts: dict[str, str], target: str, source: str = source_dir) -> None:
         ckpt = os.path.join(workdir, f"ckpt-{uuid.uuid4().hex[:8]}")
         query = (
             spark.readStream.schema(stream_schema)
-            .parquet(source_dir)
+            .parquet(source)
             .writeStream.format(fmt)
             .options(**sink_opts)
             .option("checkpointLocation", ckpt)
@@ -304,6 +320,19 @@ def _throughput(
         "parquet stream": lambda: stream("parquet", {}, stream_out),
         "discard stream": lambda: stream(DISCARD, {}, "discard"),
     }
+    warm = f"warm-{tag}"
+    warm_ups = {
+        "persist append": lambda: (
+            tiny.write.format("persist").options(**opts).mode("append").save(warm)
+        ),
+        "persist overwrite": lambda: (
+            tiny.write.format("persist").options(**opts).mode("overwrite").save(warm)
+        ),
+        "discard": lambda: tiny.write.format(DISCARD).mode("append").save(),
+        "persist stream": lambda: stream("persist", opts, f"{warm}-stream", tiny_dir),
+        "discard stream": lambda: stream(DISCARD, {}, "discard", tiny_dir),
+    }
+    """See WARM_UP: run before each timed write of a Python sink, untimed."""
     emptied_first = {"persist stream": empty_persist_stream, "parquet stream": empty_parquet_stream}
     """Run before the clock starts: emptying what the last round wrote is no part of a write
     (a shard's drop, timed with persist's stream, cost it more than the Parquet rmtree)."""
@@ -314,6 +343,8 @@ def _throughput(
         for name, write in writers.items():
             if name in emptied_first:
                 emptied_first[name]()
+            if name in warm_ups:
+                warm_ups[name]()
             with CpuMeter() as meter:
                 started = time.perf_counter()
                 write()
@@ -337,6 +368,7 @@ def _throughput(
             )
         )
     df.unpersist()
+    tiny.unpersist()
     return out
 
 
