@@ -73,6 +73,8 @@ class PersistCommitMessage(WriterCommitMessage):
     queued_s: float
     upload_s: float
     task_s: float
+    batch_rows: int = 0
+    """The most rows Spark handed this task in one Arrow batch (see SinkBatchMetrics)."""
 
 
 @dataclass
@@ -89,6 +91,11 @@ class SinkBatchMetrics:
     upload_s: float
     commit_s: float
     upper: int
+    batch_rows: int = 0
+    """The largest Arrow batch Spark handed a task, in rows: at most
+    ``spark.sql.execution.arrow.maxRecordsPerBatch``. Below persist's ``read_batch_rows``
+    (65,536) the tasks copied Spark's batches together; at it they stored them as they came
+    (README, "Bulk writes")."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -205,8 +212,10 @@ def stage_rows(
     # rows travel in the commit message, and the driver's commit puts them in state.
     fmt = ARROW if has_diff else ARROW_ROWS
     builder = BatchBuilder(blob_for(opts.blob), opts.shard, schema, config, part_format=fmt)
+    batch_rows = 0
     try:
         for rb in batches:
+            batch_rows = max(batch_rows, rb.num_rows)
             if rb.num_rows:
                 table = _in_target(pa.Table.from_batches([rb]), target)
                 if has_diff:
@@ -225,6 +234,7 @@ def stage_rows(
         queued_s=builder.queued_s,
         upload_s=builder.upload_s,
         task_s=time.perf_counter() - started,
+        batch_rows=batch_rows,
     )
 
 
@@ -293,6 +303,7 @@ def commit_staged(
         upload_s=round(sum(m.upload_s for m in msgs), 6),
         commit_s=round(time.perf_counter() - started, 6),
         upper=result.upper,
+        batch_rows=max((m.batch_rows for m in msgs), default=0),
         extra={"committed_token": result.token} if isinstance(result, AlreadyCommitted) else {},
     )
 

@@ -449,3 +449,31 @@ def test_update_output_mode_rejected_by_spark(spark: SparkSession, tmp_path: Pat
     text = _error_text(start)
     assert "STREAM_FAILED" in text and "persist does not support Update mode" in text
     assert shard not in PersistClient.open().list_shards()
+
+
+def test_sink_metrics_show_the_arrow_batch_size_spark_hands_the_tasks(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``batch_rows`` in the sink's metrics is the largest Arrow batch a task received: what
+    ``spark.sql.execution.arrow.maxRecordsPerBatch`` caps, so a user sees whether persist's
+    tasks copied Spark's batches together (README, "Bulk writes")."""
+    source = str(tmp_path / "source")
+    spark.range(0, 5000, numPartitions=1).write.parquet(source)
+    shard, ckpt = _name("batch-rows"), str(tmp_path / "sink")
+    conf = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    spark.conf.set(conf, "1200")
+    try:
+        q = (
+            spark.readStream.schema("id long")
+            .parquet(source)
+            .writeStream.format("persist")
+            .option("checkpointLocation", ckpt)
+            .trigger(availableNow=True)
+            .start(shard)
+        )
+        q.awaitTermination(120)
+    finally:
+        spark.conf.unset(conf)
+    (metrics,) = read_sink_metrics(ckpt)
+    assert (metrics["rows"], metrics["batch_rows"]) == (5000, 1200)
+    assert sorted(r["id"] for r in _snapshot(shard)) == list(range(5000))

@@ -41,6 +41,7 @@ METRIC_KEYS = {
     "upload_s",
     "commit_s",
     "upper",
+    "batch_rows",
 }
 
 
@@ -99,6 +100,7 @@ def test_replayed_batch_is_already_committed_and_applied_once(tmp_path: Path) ->
     ]
     assert all(METRIC_KEYS <= m.keys() for m in metrics)
     assert [(m["rows"], m["parts"], m["tasks"]) for m in metrics] == [(20, 2, 2)] * 2 + [(5, 1, 1)]
+    assert [m["batch_rows"] for m in metrics] == [10, 10, 5]  # each task's one batch
     assert all(m["size_bytes"] > 0 and m["commit_s"] >= 0 for m in metrics)
     assert metrics[0]["upper"] == metrics[1]["upper"] < metrics[2]["upper"]
     lines = (ckpt / METRICS_FILE).read_text().splitlines()

@@ -19,9 +19,10 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   commits cost what any Python sink's do). The writers run
   in turn, ROUNDS times, each Python sink after an untimed write of a few rows
   through the same path (Spark reaps Python workers idle for a minute: see
-  WARM_UP_ROWS), and each writer's best round counts. Rows/s and MiB/s of each (MiB = the rows' Arrow
-  bytes, 52 a row), the least CPU seconds a round cost (Spark's JVM and Python
-  workers; steadier than wall time on a loaded machine) and the ratios.
+  WARM_UP_ROWS), and each writer's best round counts. Rows/s and MiB/s of each
+  (MiB = the rows' Arrow bytes, 52 a row), the least CPU seconds a round cost
+  (Spark's JVM and Python workers; steadier than wall time on a loaded machine)
+  and the ratios.
   Target: each persist mode >= 1.0x its Parquet peer in the same mode (append
   into what earlier rounds wrote, overwrite, and for the streaming append the
   file sink, each streaming writer starting from an empty shard or directory).
