@@ -30,7 +30,7 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   for the run: Spark hands every Python sink (persist's and the discarding one)
   N-row Arrow batches instead of its default 10,000; at 65,536, persist's
   stored batch, persist stores them as they come instead of copying them
-  together (see README, "Tuning bulk writes").
+  together (see README, "Bulk writes").
 - **Write-to-visible latency** of a streaming pipeline: a rate-limited
   ``rate`` source -> sink -> source of the same format -> ``foreachBatch`` on
   the driver, which records ``now - the row's creation time`` (the rate
@@ -271,7 +271,7 @@ def _throughput(
     source_dir = os.path.join(workdir, "stream-source")
     df.write.parquet(source_dir)  # the streaming writers' input, written once
     stream_schema = df.schema
-    # A few rows in every partition: what a writer's untimed warm-up writes (see WARM_UP).
+    # A few rows in every partition: what a writer's untimed warm-up writes (see WARM_UP_ROWS).
     tiny = df.limit(WARM_UP_ROWS * parts).repartition(parts).cache()
     tiny.count()
     tiny_dir = os.path.join(workdir, "warm-up-source")
@@ -333,7 +333,7 @@ def _throughput(
         "persist stream": lambda: stream("persist", opts, f"{warm}-stream", tiny_dir),
         "discard stream": lambda: stream(DISCARD, {}, "discard", tiny_dir),
     }
-    """See WARM_UP: run before each timed write of a Python sink, untimed."""
+    """See WARM_UP_ROWS: run before each timed write of a Python sink, untimed."""
     emptied_first = {"persist stream": empty_persist_stream, "parquet stream": empty_parquet_stream}
     """Run before the clock starts: emptying what the last round wrote is no part of a write
     (a shard's drop, timed with persist's stream, cost it more than the Parquet rmtree)."""
