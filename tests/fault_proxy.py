@@ -21,7 +21,9 @@ import contextlib
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 
 class FaultProxy:
@@ -33,6 +35,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
+        self._client_ports: dict[socket.socket, int] = {}
         self._flowing = threading.Event()
         self._flowing.set()
         self._closed = False
@@ -59,12 +62,14 @@ class FaultProxy:
         with self._lock:
             listener, self._listener = self._listener, None
             conns, self._conns = self._conns, set()
+            client_ports, self._client_ports = self._client_ports, {}
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
             listener.close()
         for conn in conns:
             _reset(conn)
+        _await_resets_delivered(self.port, client_ports.values())
 
     def pause(self) -> None:
         """Hold every byte (a hung server or network); connections stay open."""
@@ -108,6 +113,7 @@ class FaultProxy:
                     _reset(upstream)
                     return
                 self._conns.update((client, upstream))
+                self._client_ports[client] = client.getpeername()[1]
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
@@ -125,6 +131,8 @@ class FaultProxy:
             with self._lock:
                 self._conns.discard(src)
                 self._conns.discard(dst)
+                self._client_ports.pop(src, None)
+                self._client_ports.pop(dst, None)
             _reset(dst)
             _reset(src)
 
@@ -140,3 +148,32 @@ def _reset(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RD)
     with contextlib.suppress(OSError):
         sock.close()
+
+
+def _await_resets_delivered(proxy_port: int, client_ports: Iterable[int]) -> None:
+    """Wait until the client end of every reset connection has taken its RST in.
+
+    Loopback delivers an RST through the kernel's deferred packet processing,
+    which a loaded machine can run milliseconds later: until then the
+    client's socket is still established and a client checking it would find
+    it sound. Waiting here is what makes :meth:`FaultProxy.stop` take effect
+    before it returns (a client socket that took the RST in leaves the TCP
+    table).
+    """
+    pending = set(client_ports)
+    deadline = time.monotonic() + 10.0
+    while pending and time.monotonic() < deadline:
+        pending &= _established_local_ports(proxy_port)
+        if pending:
+            time.sleep(0.001)
+
+
+def _established_local_ports(remote_port: int) -> set[int]:
+    """Local ports of this machine's established IPv4 TCP sockets talking to ``remote_port``."""
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state = fields[1], fields[2], fields[3]
+        if state == "01" and int(remote.split(":")[1], 16) == remote_port:
+            ports.add(int(local.split(":")[1], 16))
+    return ports

@@ -586,7 +586,12 @@ class SqlConsensus(Consensus):
 
     def _pg_cas_connection(self) -> PoolProxiedConnection:
         """A connection a CaS used in the last ``_PG_REUSE_S`` seconds whose socket has
-        nothing to read; else the pool's (pinged)."""
+        nothing to read; else the pool's (pinged).
+
+        A goodbye still in flight when the check runs (a restart that very
+        moment) is not seen: the CaS then goes out and fails ``Indeterminate``,
+        as any statement does whose connection dies around its send.
+        """
         while True:
             with self._cas_lock:
                 if not self._pg_idle:
