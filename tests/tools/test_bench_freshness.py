@@ -11,9 +11,20 @@ import argparse
 import math
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 
-from pyspark_persist.tools.bench.spark_freshness import PHASES, add_arguments, render, run
+from pyspark_persist.state.client import PersistClient
+from pyspark_persist.tools.bench.spark_freshness import (
+    ALONE_SHARD,
+    KINDS,
+    PHASES,
+    READY,
+    add_arguments,
+    render,
+    run,
+    write_outside_spark,
+)
 
 
 def test_freshness_quick_reports_every_pipeline(spark: SparkSession, tmp_path: Path) -> None:
@@ -41,4 +52,44 @@ def test_freshness_quick_reports_every_pipeline(spark: SparkSession, tmp_path: P
     assert "persist sink -> persist source" in text and "file sink -> file source" in text
     assert all(phase in text for phase in PHASES[:4])
     assert "waited_ms median" in text
+    alone = {p.kind: p for p in report.alone}
+    assert set(alone) == set(KINDS)
+    for kind in ("persist", "file"):  # the floor's rows carry no stamp
+        assert alone[kind].samples > 0, kind
+        assert 0 <= alone[kind].p50_ms <= alone[kind].p95_ms, kind
+    for p in report.alone:
+        assert {"addBatch", "walCommit"} <= set(p.phases_ms["reader"]), p.kind
+    floor_sink = by["floor"].phases_ms["sink"]
+    assert report.sink_floor_ms == sum(
+        floor_sink[p] for p in ("walCommit", "queryPlanning", "addBatch")
+    )
+    assert "the floor of any Python sink" in text
+    assert "Each reader alone" in text and "append -> seen p50/p95" in text
     assert spark.streams.active == []  # every query the benchmark started was stopped
+
+
+def test_writer_outside_spark_appends_stamped_rows_once_a_second(tmp_path: Path) -> None:
+    """Two appends 1 s apart, as Parquet files and into a persist shard: every row stamped
+    with its append's start, the values numbered on, and the ready file made."""
+    files = tmp_path / "files"
+    files.mkdir()
+    assert write_outside_spark("file", str(files), 1.5, 3) == 6
+    assert (files / READY).exists()
+    written = sorted(files.glob("part-*.parquet"))
+    assert len(written) == 2 and not list(files.glob(".*.tmp"))
+    tables = [pq.read_table(f) for f in written]
+    assert [t.column("value").to_pylist() for t in tables] == [[0, 1, 2], [3, 4, 5]]
+    stamps = [set(t.column("stamp_us").to_pylist()) for t in tables]
+    assert all(len(s) == 1 for s in stamps)
+    assert 0.95e6 <= min(stamps[1]) - min(stamps[0]) <= 1.5e6
+
+    shard_dir = tmp_path / "persist"
+    shard_dir.mkdir()
+    assert write_outside_spark("persist", str(shard_dir), 0.5, 4, pubsub="off") == 4
+    assert (shard_dir / READY).exists()
+    with PersistClient.open(
+        f"file://{shard_dir}/blob", f"sqlite:///{shard_dir}/consensus.db"
+    ) as client:
+        rows = client.open_shard(ALONE_SHARD).reader().snapshot_table()
+    assert sorted(rows.column("value").to_pylist()) == [0, 1, 2, 3]
+    assert len(set(rows.column("stamp_us").to_pylist())) == 1

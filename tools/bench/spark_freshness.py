@@ -20,9 +20,23 @@ in query 1 is that micro-batch's time) and, when it shows up in query 2, with
 the reader's micro-batch start; the freshness of a row is the difference.
 Only rows written after both queries have run ``--steady-seconds`` (10) count
 (steady state). Printed: p50 and p95 of each pipeline, persist's ratios to the
-file pipeline (targets: p50 <= 0.7x, p95 <= 0.8x), and the median of each
+file pipeline (targets: p50 <= 0.7x, p95 <= 0.8x), the floor of any Python
+sink's freshness (how long the discarding sink's micro-batch runs before it
+could commit a row, beside the file pipeline's p50), and the median of each
 micro-batch phase Spark reports (``durationMs``) for each query over the same
 steady window: persist's beside the file pipeline's and the floor's.
+
+Then each reader again, **alone**: its writer is a Python process outside
+Spark that appends ``--rows-per-second`` rows once a second (the rate source's
+cadence), stamped at the append, to a persist shard (persist's own writer,
+PubSub as the pipeline's) or as a Parquet file renamed into the file source's
+directory; the floor's source runs with no sink query at all. In the
+pipelines persist's source starts its micro-batch the moment the sink
+commits, so its ``walCommit`` and ``addBatch`` run on the same two cores as
+the sink query's ``commitOffsets`` and next micro-batch, which a file source
+(listing every 50 ms or so) and the floor's source mostly miss. Alone, each
+reader's phases are its own cost: what persist's source adds to Spark's
+fixed cost is read there, beside the floor's.
 """
 
 from __future__ import annotations
@@ -47,6 +61,9 @@ P95_TARGET = 0.8
 PHASES = ("addBatch", "latestOffset", "walCommit", "commitOffsets", "queryPlanning")
 """The micro-batch phases shown (Spark's ``durationMs`` keys)."""
 KINDS = ("persist", "file", "floor")
+SINK_BEFORE_COMMIT = ("walCommit", "queryPlanning", "addBatch")
+"""The phases of a sink's micro-batch that pass before its rows can be committed (the rows are
+stamped at the micro-batch's start, and a sink commits at the end of ``addBatch``)."""
 MIN_STEADY_BATCHES = 3
 STRETCH = 6
 
@@ -80,6 +97,14 @@ class Report:
     p50_ratio: float = 0.0
     p95_ratio: float = 0.0
     targets: dict[str, bool] = field(default_factory=dict)
+    sink_floor_ms: float = 0.0
+    """The discarding Python sink's ``walCommit`` + ``queryPlanning`` + ``addBatch`` medians:
+    how long any Python sink's micro-batch runs before it could commit a row, so the least
+    freshness a Python sink can give (``sink_floor_ratio``: over the file pipeline's p50)."""
+    sink_floor_ratio: float = 0.0
+    alone: list[Pipeline] = field(default_factory=list)
+    """Each reader with its writer outside Spark (see the module doc): freshness from the
+    append, and the ``reader`` phases."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,11 +198,7 @@ def run_pipeline(
 
     tag = f"{kind}_{uuid.uuid4().hex[:8]}"
     base = os.path.join(workdir, tag)
-    opts = {
-        "blob": f"file://{os.path.abspath(workdir)}/blob",
-        "consensus": f"sqlite:///{os.path.abspath(workdir)}/consensus.db",
-        "pubsub": pubsub,
-    }
+    opts = _store_options(workdir, pubsub)
     events = (
         spark.readStream.format("rate")
         .option("rowsPerSecond", rate)
@@ -256,6 +277,147 @@ def run_pipeline(
     )
 
 
+ALONE_SHARD = "alone"
+"""The shard a persist reader reads alone (see :func:`write_outside_spark`)."""
+READY = ".writer-ready"
+"""The file :func:`write_outside_spark` creates in its location once its first rows are in."""
+
+
+def _store_options(location: str, pubsub: str) -> dict[str, str]:
+    """Where a persist pipeline's stores are, under ``location``."""
+    return {
+        "blob": f"file://{os.path.abspath(location)}/blob",
+        "consensus": f"sqlite:///{os.path.abspath(location)}/consensus.db",
+        "pubsub": pubsub,
+    }
+
+
+def write_outside_spark(
+    kind: str, location: str, seconds: float, rows_per_second: int, pubsub: str = "auto"
+) -> int:
+    """Append ``rows_per_second`` rows once a second for ``seconds``, each stamped with its
+    append's start (``stamp_us``), to the persist shard ``ALONE_SHARD`` under ``location``
+    (``kind`` "persist") or as a Parquet file renamed into the directory ``location``
+    ("file"); create ``READY`` there after the first. The rows written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([pa.field("value", pa.int64()), pa.field("stamp_us", pa.int64())])
+    append: Any
+    if kind == "persist":
+        from pyspark_persist.options import PersistOptions
+        from pyspark_persist.source import client_for
+
+        opts = PersistOptions.parse(
+            {"shard": ALONE_SHARD, **_store_options(location, pubsub)}, "write"
+        )
+        append = client_for(opts).open_shard(ALONE_SHARD, schema, create=True).writer().append
+    elif kind == "file":
+
+        def append(table: pa.Table) -> None:
+            name = f"part-{written:012d}.parquet"
+            pq.write_table(table, os.path.join(location, f".{name}.tmp"))
+            os.rename(os.path.join(location, f".{name}.tmp"), os.path.join(location, name))
+
+    else:
+        raise ValueError(f"no writer outside Spark for {kind!r}: persist or file")
+    written = 0
+    end = time.time() + seconds
+    while True:
+        started = time.time()
+        stamp = int(started * 1e6)
+        values = list(range(written, written + rows_per_second))
+        append(pa.table({"value": values, "stamp_us": [stamp] * rows_per_second}, schema=schema))
+        if not written:
+            open(os.path.join(location, READY), "w").close()
+        written += rows_per_second
+        if started + 1.0 >= end:
+            return written
+        time.sleep(max(0.0, started + 1.0 - time.time()))
+
+
+def run_alone(
+    spark: Any, kind: str, seconds: float, steady: float, rate: int, workdir: str, pubsub: str
+) -> Pipeline:
+    """One reader alone (see the module doc), its writer a child process; measured as the
+    pipelines are, from the append's stamp to the reader's micro-batch start."""
+    import subprocess
+
+    from pyspark.sql import functions as F
+
+    tag = f"alone_{kind}_{uuid.uuid4().hex[:8]}"
+    base = os.path.join(workdir, tag)
+    location = base if kind == "persist" else os.path.join(base, "data")
+    os.makedirs(location)
+    writer = None
+    if kind in ("persist", "file"):
+        call = (
+            "from pyspark_persist.tools.bench.spark_freshness import write_outside_spark; "
+            f"write_outside_spark({kind!r}, {location!r}, {seconds + steady:g}, {rate}, "
+            f"{pubsub!r})"
+        )
+        errors = open(os.path.join(base, "writer.err"), "w+b")  # noqa: SIM115 - read on failure
+        writer = subprocess.Popen([sys.executable, "-c", call], stderr=errors)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(location, READY)):
+            if writer.poll() is not None or time.monotonic() > deadline:
+                writer.kill()
+                errors.seek(0)
+                tail = errors.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"{kind} writer outside Spark did not start: {tail}")
+            time.sleep(0.05)
+    if kind == "persist":
+        source = spark.readStream.format("persist").options(**_store_options(base, pubsub))
+        source = source.load(ALONE_SHARD)
+    elif kind == "file":
+        source = spark.readStream.schema("value long, stamp_us long").parquet(location)
+    else:
+        from pyspark_persist.tools.bench.ceiling import NO_IO_STREAM
+
+        source = spark.readStream.format(NO_IO_STREAM).load().withColumn("stamp_us", F.lit(0))
+    reader = (
+        source.select(F.col("stamp_us"), F.unix_micros(F.current_timestamp()).alias("seen_us"))
+        .writeStream.option("checkpointLocation", f"{base}/read-ckpt")
+        .format("memory")
+        .queryName(tag)
+        .start()
+    )
+    started = time.time()
+    try:
+        while time.time() - started < seconds or (
+            sum(_progress_at(p) >= started + steady for p in reader.recentProgress)
+            < MIN_STEADY_BATCHES
+            and time.time() - started < STRETCH * seconds
+        ):
+            if reader.exception() is not None:
+                raise RuntimeError(f"{kind} reader alone failed: {reader.exception()}")
+            time.sleep(0.25)
+        phases = {"reader": _phases(reader, started + steady)}
+    finally:
+        _stop(reader)
+        if writer is not None:
+            writer.kill()
+            writer.wait()
+    rows = spark.sql(
+        f"SELECT (seen_us - stamp_us) / 1000.0 AS ms FROM {tag} "
+        f"WHERE stamp_us >= {int((started + steady) * 1e6)} ORDER BY ms"
+    ).collect()
+    spark.catalog.dropTempView(tag)
+    kept = [r.ms for r in rows] if kind != "floor" else []
+    if kind != "floor" and not kept:
+        raise RuntimeError(f"{kind} reader alone: no row written in steady state was seen")
+    if not kept:
+        return Pipeline(kind, 0, 0.0, 0.0, 0.0, phases)
+    return Pipeline(
+        kind,
+        len(kept),
+        round(statistics.median(kept), 1),
+        round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
+        round(kept[-1], 1),
+        phases,
+    )
+
+
 def _waits(metrics_file: str, since: float) -> dict[str, float]:
     """How persist's source waited in latestOffset (see ``Pipeline.waits``) in the micro-batches
     ending after ``since`` (their end offsets are times in ms: the sink writes wall-clock ms)."""
@@ -288,6 +450,10 @@ def run(ns: argparse.Namespace, spark: Any = None) -> Report:
             report.pipelines.append(
                 run_pipeline(session, kind, seconds, steady, ns.rows_per_second, workdir, ns.pubsub)
             )
+        for kind in KINDS:
+            report.alone.append(
+                run_alone(session, kind, seconds, steady, ns.rows_per_second, workdir, ns.pubsub)
+            )
     finally:
         if own:
             session.stop()
@@ -296,6 +462,9 @@ def run(ns: argparse.Namespace, spark: Any = None) -> Report:
     persist, files = report.pipelines[0], report.pipelines[1]
     report.p50_ratio = round(persist.p50_ms / files.p50_ms, 3)
     report.p95_ratio = round(persist.p95_ms / files.p95_ms, 3)
+    floor_sink = report.pipelines[2].phases_ms.get("sink", {})
+    report.sink_floor_ms = sum(floor_sink.get(p, 0.0) for p in SINK_BEFORE_COMMIT)
+    report.sink_floor_ratio = round(report.sink_floor_ms / files.p50_ms, 3)
     report.targets["p50"] = report.p50_ratio <= P50_TARGET
     report.targets["p95"] = report.p95_ratio <= P95_TARGET
     for query in ("sink", "reader"):
@@ -334,6 +503,11 @@ def render(report: Report) -> str:
         f"{verdict('p50')}), p95 {report.p95_ratio:.2f}x (target <= {P95_TARGET}x: "
         f"{verdict('p95')})"
     )
+    lines.append(
+        f"  the floor of any Python sink: the discarding sink's "
+        f"{' + '.join(SINK_BEFORE_COMMIT)} = {report.sink_floor_ms:.0f} ms before it could "
+        f"commit a row, {report.sink_floor_ratio:.2f}x the file pipeline's p50"
+    )
     lines.append("")
     lines.append("Median ms per micro-batch phase (steady state):")
     lines.append(f"  {'query':<8}{'phase':<15}{'persist':>9}{'file':>9}{'floor':>9}  persist<=file")
@@ -357,6 +531,24 @@ def render(report: Report) -> str:
             "micro-batches found their commit by waiting for its PubSub notice (waited_ms "
             f"median {waits['waited_ms_p50']:.1f})"
         )
+    if report.alone:
+        alone = {p.kind: p for p in report.alone}
+        lines += [
+            "",
+            f"Each reader alone: its writer a Python process outside Spark, "
+            f"{report.rows_per_second} rows once a second; no sink query on the cores. "
+            "Median ms:",
+            f"  {'reader phase':<23}{'persist':>9}{'file':>9}{'floor':>9}",
+        ]
+        for phase in PHASES:
+            cells = [alone[k].phases_ms.get("reader", {}).get(phase) for k in KINDS]
+            shown = "".join(f"{'-' if c is None else f'{c:.0f}':>9}" for c in cells)
+            lines.append(f"  {phase:<23}{shown}")
+        fresh = "".join(
+            f"{f'{alone[k].p50_ms:.0f}/{alone[k].p95_ms:.0f}' if alone[k].samples else '-':>9}"
+            for k in KINDS
+        )
+        lines.append(f"  {'append -> seen p50/p95':<23}{fresh}")
     return "\n".join(lines)
 
 
