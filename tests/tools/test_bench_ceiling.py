@@ -7,10 +7,12 @@ session.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from pyspark_persist.schema import read_schema
 from pyspark_persist.tools.bench.ceiling import (
@@ -18,6 +20,8 @@ from pyspark_persist.tools.bench.ceiling import (
     NO_IO,
     DiscardSink,
     NoIOReader,
+    NoIOStreamReader,
+    NoIOStreamSource,
     no_io_source,
 )
 from pyspark_persist.tools.bench.spark_read import SCHEMA, read_batch
@@ -99,3 +103,18 @@ def test_discard_sink_runs_spark_write_streams_like_the_bench_discard_stream_pee
     query.awaitTermination()
     assert query.exception() is None
     assert sum(p["numInputRows"] for p in query.recentProgress) == 5000
+
+
+def test_no_io_stream_source_paced_offers_a_row_at_most_once_per_interval() -> None:
+    """``everySeconds``: the first ask gets a new row, asks within the interval get none
+    (the start back: no micro-batch), and one after it gets the next row."""
+    reader = NoIOStreamSource(options={"everySeconds": "0.3"}).streamReader(NoIOStreamReader.SCHEMA)
+    start = reader.initialOffset()
+    first = reader.latestOffset(start, ReadAllAvailable())
+    assert first == {"n": 1}
+    assert reader.latestOffset(first, ReadAllAvailable()) == first
+    time.sleep(0.35)
+    assert reader.latestOffset(first, ReadAllAvailable()) == {"n": 2}
+    unpaced = NoIOStreamSource(options={}).streamReader(NoIOStreamReader.SCHEMA)
+    assert unpaced.latestOffset({"n": 5}, ReadAllAvailable()) == {"n": 6}
+    assert unpaced.latestOffset({"n": 6}, ReadAllAvailable()) == {"n": 7}

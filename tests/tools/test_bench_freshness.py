@@ -8,7 +8,9 @@ moved rows from its writer to its reader and that every figure is reported.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -64,6 +66,7 @@ def test_freshness_quick_reports_every_pipeline(spark: SparkSession, tmp_path: P
         floor_sink[p] for p in ("walCommit", "queryPlanning", "addBatch")
     )
     assert "the floor of any Python sink" in text
+    assert json.loads(json.dumps(asdict(report)))["sink_floor_ms"] == report.sink_floor_ms
     assert "Each reader alone" in text and "append -> seen p50/p95" in text
     assert spark.streams.active == []  # every query the benchmark started was stopped
 

@@ -27,6 +27,7 @@ Whatever these reach is the most any Python source or sink reaches on the machin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pyarrow as pa
@@ -198,16 +199,30 @@ class DiscardSink(DataSource):
 
 
 class NoIOStreamReader(DataSourceStreamReader):
-    """Every micro-batch is one new row, ``value`` = its offset: nothing read, nothing kept."""
+    """Every micro-batch is one new row, ``value`` = its offset: nothing read, nothing kept.
+
+    ``every_s``: a new row at most once in that many seconds (0: one every time Spark asks,
+    so micro-batches run back to back). The freshness benchmark's floor takes one a second,
+    the cadence of its other readers: run back to back, the floor's reader kept a core busy
+    and slowed the sink query beside it.
+    """
 
     SCHEMA = StructType([StructField("value", LongType(), False)])
+
+    def __init__(self, every_s: float = 0.0) -> None:
+        self._every_s = every_s
+        self._advanced = 0.0
 
     def initialOffset(self) -> dict[str, int]:
         """Start at 0."""
         return {"n": 0}
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
-        """One row more than ``start``."""
+        """One row more than ``start``, or ``start`` while ``every_s`` has not passed."""
+        now = time.monotonic()
+        if now - self._advanced < self._every_s:
+            return start
+        self._advanced = now
         return {"n": start["n"] + 1}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
@@ -237,4 +252,5 @@ class NoIOStreamSource(DataSource):
         return NoIOStreamReader.SCHEMA
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return NoIOStreamReader()
+        """Option ``everySeconds``: see :class:`NoIOStreamReader` (default 0)."""
+        return NoIOStreamReader(float(self.options.get("everySeconds", 0)))

@@ -10,7 +10,8 @@ after the other and for the same time, two-query pipelines:
 - **file**: ``rate`` -> Spark's Parquet file sink; file source -> ``memory``;
 - **floor**: ``rate`` -> a Python streaming sink that discards its rows,
   beside a Python streaming source that reads nothing -> ``memory``
-  (``ceiling.py``): what the micro-batches of Spark's Python Data Source API
+  (``ceiling.py``; one new row a second, the cadence the other readers see
+  their writers commit at): what the micro-batches of Spark's Python Data Source API
   cost with no storage at all, phase by phase. (A Python sink's
   ``commitOffsets`` costs Spark about three times the file sink's, with nothing
   in it from the sink: measured beside persist's, not charged to it.)
@@ -226,7 +227,8 @@ def run_pipeline(
 
         sink = writer.format(DISCARD).start()
 
-        source = spark.readStream.format(NO_IO_STREAM).load().withColumn("stamp_us", F.lit(0))
+        source = spark.readStream.format(NO_IO_STREAM).option("everySeconds", 1).load()
+        source = source.withColumn("stamp_us", F.lit(0))
     reading = source.select(
         F.col("stamp_us"), F.unix_micros(F.current_timestamp()).alias("seen_us")
     ).writeStream.option("checkpointLocation", f"{base}/read-ckpt")
@@ -263,7 +265,7 @@ def run_pipeline(
         f"WHERE stamp_us >= {int(steady_from * 1e6)} ORDER BY ms"
     ).collect()
     spark.catalog.dropTempView(tag)
-    kept = [r.ms for r in rows]
+    kept = [float(r.ms) for r in rows]
     if not kept:
         raise RuntimeError(f"{kind} pipeline: no row written in steady state was seen")
     return Pipeline(
@@ -374,7 +376,8 @@ def run_alone(
     else:
         from pyspark_persist.tools.bench.ceiling import NO_IO_STREAM
 
-        source = spark.readStream.format(NO_IO_STREAM).load().withColumn("stamp_us", F.lit(0))
+        source = spark.readStream.format(NO_IO_STREAM).option("everySeconds", 1).load()
+        source = source.withColumn("stamp_us", F.lit(0))
     reader = (
         source.select(F.col("stamp_us"), F.unix_micros(F.current_timestamp()).alias("seen_us"))
         .writeStream.option("checkpointLocation", f"{base}/read-ckpt")
@@ -403,7 +406,7 @@ def run_alone(
         f"WHERE stamp_us >= {int((started + steady) * 1e6)} ORDER BY ms"
     ).collect()
     spark.catalog.dropTempView(tag)
-    kept = [r.ms for r in rows] if kind != "floor" else []
+    kept = [float(r.ms) for r in rows] if kind != "floor" else []
     if kind != "floor" and not kept:
         raise RuntimeError(f"{kind} reader alone: no row written in steady state was seen")
     if not kept:
