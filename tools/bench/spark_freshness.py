@@ -257,17 +257,31 @@ def run_pipeline(
     finally:
         for q in queries.values():
             _stop(q)
-    if kind == "floor":  # its rows carry no stamp: only its phases are the floor's figures
-        spark.catalog.dropTempView(tag)
-        return Pipeline(kind, 0, 0.0, 0.0, 0.0, phases)
+    waits = _waits(f"{base}/source-metrics.jsonl", steady_from) if kind == "persist" else {}
+    return _measured(spark, kind, tag, steady_from, phases, waits)
+
+
+def _measured(
+    spark: Any,
+    kind: str,
+    view: str,
+    since: float,
+    phases: dict[str, dict[str, float]],
+    waits: dict[str, float],
+) -> Pipeline:
+    """A pipeline's figures from the rows its reader put in the memory table ``view`` (then
+    dropped): those stamped at or after ``since``. The floor's rows carry no stamp, so only
+    its phases count."""
     rows = spark.sql(
-        f"SELECT (seen_us - stamp_us) / 1000.0 AS ms FROM {tag} "
-        f"WHERE stamp_us >= {int(steady_from * 1e6)} ORDER BY ms"
+        f"SELECT (seen_us - stamp_us) / 1000.0 AS ms FROM {view} "
+        f"WHERE stamp_us >= {int(since * 1e6)} ORDER BY ms"
     ).collect()
-    spark.catalog.dropTempView(tag)
-    kept = [float(r.ms) for r in rows]
+    spark.catalog.dropTempView(view)
+    if kind == "floor":
+        return Pipeline(kind, 0, 0.0, 0.0, 0.0, phases)
+    kept = [float(r.ms) for r in rows]  # Spark's quotient is a decimal
     if not kept:
-        raise RuntimeError(f"{kind} pipeline: no row written in steady state was seen")
+        raise RuntimeError(f"{kind} ({view}): no row written in steady state was seen")
     return Pipeline(
         kind,
         len(kept),
@@ -275,7 +289,7 @@ def run_pipeline(
         round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
         round(kept[-1], 1),
         phases,
-        _waits(f"{base}/source-metrics.jsonl", steady_from) if kind == "persist" else {},
+        waits,
     )
 
 
@@ -401,24 +415,7 @@ def run_alone(
         if writer is not None:
             writer.kill()
             writer.wait()
-    rows = spark.sql(
-        f"SELECT (seen_us - stamp_us) / 1000.0 AS ms FROM {tag} "
-        f"WHERE stamp_us >= {int((started + steady) * 1e6)} ORDER BY ms"
-    ).collect()
-    spark.catalog.dropTempView(tag)
-    kept = [float(r.ms) for r in rows] if kind != "floor" else []
-    if kind != "floor" and not kept:
-        raise RuntimeError(f"{kind} reader alone: no row written in steady state was seen")
-    if not kept:
-        return Pipeline(kind, 0, 0.0, 0.0, 0.0, phases)
-    return Pipeline(
-        kind,
-        len(kept),
-        round(statistics.median(kept), 1),
-        round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
-        round(kept[-1], 1),
-        phases,
-    )
+    return _measured(spark, kind, tag, started + steady, phases, {})
 
 
 def _waits(metrics_file: str, since: float) -> dict[str, float]:
