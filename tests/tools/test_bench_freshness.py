@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from pyspark.sql import SparkSession
 
 from pyspark_persist.state.client import PersistClient
@@ -25,6 +26,7 @@ from pyspark_persist.tools.bench.spark_freshness import (
     add_arguments,
     render,
     run,
+    run_alone,
     write_outside_spark,
 )
 
@@ -96,3 +98,12 @@ def test_writer_outside_spark_appends_stamped_rows_once_a_second(tmp_path: Path)
         rows = client.open_shard(ALONE_SHARD).reader().snapshot_table()
     assert sorted(rows.column("value").to_pylist()) == [0, 1, 2, 3]
     assert len(set(rows.column("stamp_us").to_pylist())) == 1
+
+
+def test_a_reader_alone_whose_writer_fails_names_the_writers_error(tmp_path: Path) -> None:
+    """The writer outside Spark dies at once (a bad pubsub option): the run stops before any
+    query starts and quotes the writer's own error."""
+    with pytest.raises(
+        RuntimeError, match="(?s)writer outside Spark did not start.*invalid pubsub"
+    ):
+        run_alone(None, "persist", 5.0, 1.0, 10, str(tmp_path), "bogus")

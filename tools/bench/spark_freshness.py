@@ -372,14 +372,16 @@ def run_alone(
             f"write_outside_spark({kind!r}, {location!r}, {seconds + steady:g}, {rate}, "
             f"{pubsub!r})"
         )
-        errors = open(os.path.join(base, "writer.err"), "w+b")  # noqa: SIM115 - read on failure
-        writer = subprocess.Popen([sys.executable, "-c", call], stderr=errors)
+        errors = os.path.join(base, "writer.err")
+        with open(errors, "wb") as err:  # the child writes to its own copy of the descriptor
+            writer = subprocess.Popen([sys.executable, "-c", call], stderr=err)
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(location, READY)):
             if writer.poll() is not None or time.monotonic() > deadline:
                 writer.kill()
-                errors.seek(0)
-                tail = errors.read().decode(errors="replace")[-2000:]
+                writer.wait()
+                with open(errors, "rb") as err:
+                    tail = err.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"{kind} writer outside Spark did not start: {tail}")
             time.sleep(0.05)
     if kind == "persist":
