@@ -35,7 +35,6 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
-        self._client_ports: dict[socket.socket, int] = {}
         self._flowing = threading.Event()
         self._flowing.set()
         self._closed = False
@@ -62,14 +61,22 @@ class FaultProxy:
         with self._lock:
             listener, self._listener = self._listener, None
             conns, self._conns = self._conns, set()
-            client_ports, self._client_ports = self._client_ports, {}
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
             listener.close()
+        client_ports = [port for conn in conns if (port := self._client_port(conn)) is not None]
         for conn in conns:
             _reset(conn)
-        _await_resets_delivered(self.port, client_ports.values())
+        _await_resets_delivered(self.port, client_ports)
+
+    def _client_port(self, conn: socket.socket) -> int | None:
+        """The client's port if ``conn`` is a client's connection to this proxy (not one to
+        the target), while it is open."""
+        try:
+            return conn.getpeername()[1] if conn.getsockname()[1] == self.port else None
+        except OSError:
+            return None
 
     def pause(self) -> None:
         """Hold every byte (a hung server or network); connections stay open."""
@@ -113,7 +120,6 @@ class FaultProxy:
                     _reset(upstream)
                     return
                 self._conns.update((client, upstream))
-                self._client_ports[client] = client.getpeername()[1]
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
@@ -131,8 +137,6 @@ class FaultProxy:
             with self._lock:
                 self._conns.discard(src)
                 self._conns.discard(dst)
-                self._client_ports.pop(src, None)
-                self._client_ports.pop(dst, None)
             _reset(dst)
             _reset(src)
 
