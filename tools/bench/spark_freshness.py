@@ -223,23 +223,53 @@ def run_pipeline(
         sink = writer.format("parquet").option("path", f"{base}/data").start()
         source = spark.readStream.schema(events.schema).parquet(f"{base}/data")
     else:
-        from pyspark_persist.tools.bench.ceiling import DISCARD, NO_IO_STREAM
+        from pyspark_persist.tools.bench.ceiling import DISCARD
 
         sink = writer.format(DISCARD).start()
+        source = _floor_source(spark)
+    queries = {"sink": sink, "reader": _start_reader(source, base, tag)}
+    phases, steady_from = _run_steady(queries, f"{kind} pipeline", seconds, steady)
+    waits = _waits(f"{base}/source-metrics.jsonl", steady_from) if kind == "persist" else {}
+    return _measured(spark, kind, tag, steady_from, phases, waits)
 
-        source = spark.readStream.format(NO_IO_STREAM).option("everySeconds", 1).load()
-        source = source.withColumn("stamp_us", F.lit(0))
-    reading = source.select(
-        F.col("stamp_us"), F.unix_micros(F.current_timestamp()).alias("seen_us")
-    ).writeStream.option("checkpointLocation", f"{base}/read-ckpt")
-    reader = reading.format("memory").queryName(tag).start()
-    queries = {"sink": sink, "reader": reader}
+
+def _floor_source(spark: Any) -> Any:
+    """The floor's reader input: the no-I/O source, a new row a second, stamped 0."""
+    from pyspark.sql import functions as F
+
+    from pyspark_persist.tools.bench.ceiling import NO_IO_STREAM
+
+    source = spark.readStream.format(NO_IO_STREAM).option("everySeconds", 1).load()
+    return source.withColumn("stamp_us", F.lit(0))
+
+
+def _start_reader(source: Any, base: str, tag: str) -> Any:
+    """The reader query: ``source``'s stamps beside its micro-batch start, into the memory
+    table ``tag``."""
+    from pyspark.sql import functions as F
+
+    return (
+        source.select(F.col("stamp_us"), F.unix_micros(F.current_timestamp()).alias("seen_us"))
+        .writeStream.option("checkpointLocation", f"{base}/read-ckpt")
+        .format("memory")
+        .queryName(tag)
+        .start()
+    )
+
+
+def _run_steady(
+    queries: dict[str, Any], what: str, seconds: float, steady: float
+) -> tuple[dict[str, dict[str, float]], float]:
+    """Let ``queries`` run ``seconds``, stop them, and return each one's phase medians over
+    the micro-batches from ``steady`` seconds in, and when that steady window began.
+
+    A loaded machine is slow: the run is stretched, up to STRETCH times, until every query
+    ran MIN_STEADY_BATCHES steady micro-batches, rather than reported empty.
+    """
     started = time.time()
     steady_from = started + steady
 
     def enough() -> bool:
-        """Every query ran MIN_STEADY_BATCHES steady micro-batches (a loaded machine is
-        slow: the run is stretched, up to STRETCH times, rather than reported empty)."""
         return all(
             sum(_progress_at(p) >= steady_from for p in q.recentProgress) >= MIN_STEADY_BATCHES
             for q in queries.values()
@@ -251,14 +281,12 @@ def run_pipeline(
         ):
             for q in queries.values():
                 if q.exception() is not None:
-                    raise RuntimeError(f"{kind} pipeline failed: {q.exception()}")
+                    raise RuntimeError(f"{what} failed: {q.exception()}")
             time.sleep(0.25)
-        phases = {name: _phases(q, steady_from) for name, q in queries.items()}
+        return {name: _phases(q, steady_from) for name, q in queries.items()}, steady_from
     finally:
         for q in queries.values():
             _stop(q)
-    waits = _waits(f"{base}/source-metrics.jsonl", steady_from) if kind == "persist" else {}
-    return _measured(spark, kind, tag, steady_from, phases, waits)
 
 
 def _measured(
@@ -272,13 +300,14 @@ def _measured(
     """A pipeline's figures from the rows its reader put in the memory table ``view`` (then
     dropped): those stamped at or after ``since``. The floor's rows carry no stamp, so only
     its phases count."""
+    if kind == "floor":
+        spark.catalog.dropTempView(view)
+        return Pipeline(kind, 0, 0.0, 0.0, 0.0, phases)
     rows = spark.sql(
         f"SELECT (seen_us - stamp_us) / 1000.0 AS ms FROM {view} "
         f"WHERE stamp_us >= {int(since * 1e6)} ORDER BY ms"
     ).collect()
     spark.catalog.dropTempView(view)
-    if kind == "floor":
-        return Pipeline(kind, 0, 0.0, 0.0, 0.0, phases)
     kept = [float(r.ms) for r in rows]  # Spark's quotient is a decimal
     if not kept:
         raise RuntimeError(f"{kind} ({view}): no row written in steady state was seen")
@@ -359,8 +388,6 @@ def run_alone(
     pipelines are, from the append's stamp to the reader's micro-batch start."""
     import subprocess
 
-    from pyspark.sql import functions as F
-
     tag = f"alone_{kind}_{uuid.uuid4().hex[:8]}"
     base = os.path.join(workdir, tag)
     location = base if kind == "persist" else os.path.join(base, "data")
@@ -384,40 +411,23 @@ def run_alone(
                     tail = err.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"{kind} writer outside Spark did not start: {tail}")
             time.sleep(0.05)
-    if kind == "persist":
-        source = spark.readStream.format("persist").options(**_store_options(base, pubsub))
-        source = source.load(ALONE_SHARD)
-    elif kind == "file":
-        source = spark.readStream.schema("value long, stamp_us long").parquet(location)
-    else:
-        from pyspark_persist.tools.bench.ceiling import NO_IO_STREAM
-
-        source = spark.readStream.format(NO_IO_STREAM).option("everySeconds", 1).load()
-        source = source.withColumn("stamp_us", F.lit(0))
-    reader = (
-        source.select(F.col("stamp_us"), F.unix_micros(F.current_timestamp()).alias("seen_us"))
-        .writeStream.option("checkpointLocation", f"{base}/read-ckpt")
-        .format("memory")
-        .queryName(tag)
-        .start()
-    )
-    started = time.time()
     try:
-        while time.time() - started < seconds or (
-            sum(_progress_at(p) >= started + steady for p in reader.recentProgress)
-            < MIN_STEADY_BATCHES
-            and time.time() - started < STRETCH * seconds
-        ):
-            if reader.exception() is not None:
-                raise RuntimeError(f"{kind} reader alone failed: {reader.exception()}")
-            time.sleep(0.25)
-        phases = {"reader": _phases(reader, started + steady)}
+        if kind == "persist":
+            source = spark.readStream.format("persist").options(**_store_options(base, pubsub))
+            source = source.load(ALONE_SHARD)
+        elif kind == "file":
+            source = spark.readStream.schema("value long, stamp_us long").parquet(location)
+        else:
+            source = _floor_source(spark)
+        what = f"{kind} reader alone"
+        phases, steady_from = _run_steady(
+            {"reader": _start_reader(source, base, tag)}, what, seconds, steady
+        )
     finally:
-        _stop(reader)
         if writer is not None:
             writer.kill()
             writer.wait()
-    return _measured(spark, kind, tag, started + steady, phases, {})
+    return _measured(spark, kind, tag, steady_from, phases, {})
 
 
 def _waits(metrics_file: str, since: float) -> dict[str, float]:
