@@ -47,6 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import cast
 
@@ -149,6 +150,22 @@ class _Buffers:
 
 _BUFFERS = _Buffers()
 
+_write_pool: tuple[int, ThreadPoolExecutor] | None = None
+_write_pool_lock = threading.Lock()
+
+
+def _writes() -> ThreadPoolExecutor:
+    """The threads that write full buffers to their files, started on first use in each
+    process (a forked Spark worker inherits no threads, so not its parent's pool)."""
+    global _write_pool  # noqa: PLW0603 - one pool a process, made on first use
+    with _write_pool_lock:
+        if _write_pool is None or _write_pool[0] != os.getpid():
+            _write_pool = (
+                os.getpid(),
+                ThreadPoolExecutor(max_workers=4, thread_name_prefix="persist-file-write"),
+            )
+        return _write_pool[1]
+
 
 class _FileWriter(BlobWriter):
     """A temp file in the key's directory, renamed onto the key at commit (see the module doc).
@@ -163,6 +180,12 @@ class _FileWriter(BlobWriter):
     is written through the page cache at commit, where a reader tailing the shard will
     find it. A file system that refuses ``O_DIRECT`` (tmpfs) gets every write buffered,
     with the writeback hint.
+
+    A full buffer is written by a background thread while the caller fills the next:
+    a direct write returns only once the disk has the bytes, and staging 512 MiB spent
+    1.55 of its 1.93 s there, blocked, with the part's encoding (and, in a Spark task,
+    the rows coming in) stopped behind it. One write is in flight at a time, so the file
+    is written in order, and a writer holds two buffers at most.
     """
 
     def __init__(self, root: str, key: str, path: str) -> None:
@@ -185,6 +208,8 @@ class _FileWriter(BlobWriter):
         """Whether the file is open with ``O_DIRECT`` (from its first full buffer on)."""
         self._may_direct = _O_DIRECT is not None
         self._writeback = _SYNC_FILE_RANGE is not None
+        self._in_flight: Future[None] | None = None
+        """The background write of the last full buffer (see the class doc)."""
 
     def write(self, data: BlobValue) -> int:
         """Append ``data``: into the buffer, and each time it fills, to the file."""
@@ -210,14 +235,32 @@ class _FileWriter(BlobWriter):
             raise
 
     def _flush_full(self) -> None:
-        """Write the full buffer to the file: directly if it can be, else buffered."""
-        assert self._fd is not None and self._buf is not None
-        if self._may_direct and not self._direct:
-            self._direct = self._may_direct = self._set_direct(True)
-        self._write_all(memoryview(self._buf)[: self._filled])
-        if not self._direct and self._writeback:
-            self._start_writeback()
-        self._filled = 0
+        """Hand the full buffer to a background write, once the one before has ended, and
+        go on in a fresh buffer."""
+        assert self._buf is not None
+        self._await_write()
+        full, length = self._buf, self._filled
+        self._buf, self._filled = _BUFFERS.take(), 0
+        self._in_flight = _writes().submit(self._write_full, full, length)
+
+    def _await_write(self) -> None:
+        """Wait for the background write in flight, if any; raise what it raised."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def _write_full(self, buf: mmap.mmap, length: int) -> None:
+        """Write a full buffer to the file, directly if it can be, else buffered; then
+        return the buffer (on a background thread: the caller waits for it before any other
+        use of the file)."""
+        try:
+            if self._may_direct and not self._direct:
+                self._direct = self._may_direct = self._set_direct(True)
+            self._write_all(memoryview(buf)[:length])
+            if not self._direct and self._writeback:
+                self._start_writeback(length)
+        finally:
+            _BUFFERS.give(buf)
 
     def _set_direct(self, on: bool) -> bool:
         """Turn ``O_DIRECT`` on or off for the file; whether it is on now (False if the file
@@ -252,21 +295,21 @@ class _FileWriter(BlobWriter):
             if self._direct and len(view) and n % _ALIGN:
                 self._stop_direct()
 
-    def _start_writeback(self) -> None:
-        """Start (not wait for) the disk write of the buffered bytes just written.
+    def _start_writeback(self, length: int) -> None:
+        """Start (not wait for) the disk write of the ``length`` buffered bytes just written.
 
         Only a hint: durability still comes from commit's fsync. Where the call is missing
         or refused (not Linux, a file system without it) writeback is left to the kernel.
         """
         assert _SYNC_FILE_RANGE is not None and self._fd is not None
-        start = self._written - self._filled
-        if _SYNC_FILE_RANGE(self._fd, start, self._filled, _SYNC_FILE_RANGE_WRITE) != 0:
+        if _SYNC_FILE_RANGE(self._fd, self._written - length, length, _SYNC_FILE_RANGE_WRITE) != 0:
             self._writeback = False
 
     def _flush_rest(self) -> None:
         """Write what the buffer holds: a direct file takes it padded to a whole page and
         is cut back to its length; any other is written as it is."""
         assert self._fd is not None
+        self._await_write()
         if self._buf is None or not self._filled:
             return
         if not self._direct:
@@ -295,7 +338,12 @@ class _FileWriter(BlobWriter):
             raise
 
     def _close(self) -> None:
-        """Close the file and return the buffer."""
+        """Close the file (once no write is in flight: an abort's error is moot) and return
+        the buffer."""
+        try:
+            self._await_write()
+        except Exception:  # noqa: BLE001, S110 - the file is being given up
+            pass
         if self._buf is not None:
             _BUFFERS.give(self._buf)
             self._buf = None

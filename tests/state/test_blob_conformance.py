@@ -8,7 +8,9 @@ and reports the bytes freed, ``list_keys`` shows every key and nothing else
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import socket
 import threading
 import time
@@ -17,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from blob_fixtures import MOTO_BUCKET
@@ -427,8 +430,10 @@ def test_file_stream_refused_o_direct_hands_its_bytes_to_writeback_as_it_goes(
     writer = blob.open_writer("shard/part-1")
     for piece in pieces:
         writer.write(piece)
-    assert calls == [(0, MIB), (MIB, MIB)]
     writer.commit()
+    # Each full buffer was handed to writeback after its (background) write; the rest,
+    # written by commit itself, goes straight to the fsync.
+    assert calls == [(0, MIB), (MIB, MIB)]
     assert blob.get("shard/part-1") == b"".join(pieces)
 
 
@@ -451,6 +456,58 @@ def test_file_streamed_write_that_fails_leaves_no_temp_file(
     assert list((tmp_path / "blob" / "shard").iterdir()) == []
     with pytest.raises(InvalidUsage, match="already committed or aborted"):
         writer.write(b"more")
+
+
+@pytest.mark.parametrize("fails_at", ["write", "commit"])
+def test_file_stream_whose_background_write_fails_raises_and_stores_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails_at: str
+) -> None:
+    """A full buffer is written by a background thread; when that write fails (a full
+    disk), the error reaches the caller at its next write or at commit, as the store's
+    error: nothing is stored under the key and no temp file is left."""
+    from pyspark_persist.state.blob import file as file_blob
+
+    monkeypatch.setattr(file_blob, "WRITEBACK_BYTES", MIB)
+    blob = open_blob(f"file://{tmp_path}/blob")
+    writer = blob.open_writer("shard/part-1")
+    real_write = os.write
+    failed = threading.Event()
+
+    def full_disk(fd: int, data: Any) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            failed.set()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    writer.write(os.urandom(MIB))  # fills the buffer: its write goes to the background
+    assert failed.wait(10)
+    with pytest.raises(StoreUnavailable, match="No space left on device"):
+        if fails_at == "write":
+            writer.write(os.urandom(MIB))
+        else:
+            writer.commit()
+    monkeypatch.undo()
+    assert blob.get("shard/part-1") is None
+    assert list((tmp_path / "blob" / "shard").iterdir()) == []
+
+
+def test_file_stream_of_many_buffers_lands_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full buffers are written in the background one at a time while the next fills, in
+    writes of every size: the stored value is the bytes in the order given."""
+    from pyspark_persist.state.blob import file as file_blob
+
+    monkeypatch.setattr(file_blob, "WRITEBACK_BYTES", 64 * 1024)
+    blob = open_blob(f"file://{tmp_path}/blob")
+    rng = random.Random(7)
+    pieces = [os.urandom(rng.choice([1, 4095, 4096, 65536, 100_000, 300_000])) for _ in range(40)]
+    writer = blob.open_writer("shard/part-1")
+    for piece in pieces:
+        writer.write(piece)
+    writer.commit()
+    assert blob.get("shard/part-1") == b"".join(pieces)
 
 
 def test_file_abandoned_stream_is_deleted_once_untouched_for_the_limit(tmp_path: Path) -> None:
