@@ -145,7 +145,10 @@ class _Buffers:
             if len(self._idle) < self.KEEP:
                 self._idle.append(buf)
                 return
-        buf.close()
+        try:
+            buf.close()
+        except BufferError:
+            pass  # a failed write's traceback still holds a view of it: it goes with that
 
 
 _BUFFERS = _Buffers()

@@ -492,6 +492,28 @@ def test_file_stream_whose_background_write_fails_raises_and_stores_nothing(
     assert list((tmp_path / "blob" / "shard").iterdir()) == []
 
 
+def test_file_write_buffer_given_back_while_a_view_is_held_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A buffer returned past the pool's limit is closed, unless a view of it is still alive
+    (the traceback of a failed write holds one): then it is left to go with that view, and
+    returning it raises nothing that would hide the write's own error."""
+    import mmap
+
+    from pyspark_persist.state.blob import file as file_blob
+
+    buffers = file_blob._Buffers()
+    monkeypatch.setattr(buffers, "KEEP", 0)
+    held = mmap.mmap(-1, 4096)
+    view = memoryview(held)[:10]
+    buffers.give(held)
+    assert not held.closed
+    view.release()
+    free = mmap.mmap(-1, 4096)
+    buffers.give(free)
+    assert free.closed
+
+
 def test_file_stream_of_many_buffers_lands_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
