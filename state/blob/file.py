@@ -121,7 +121,8 @@ class _Buffers:
     """Page-aligned ``WRITEBACK_BYTES`` buffers, reused by the writers of this process.
 
     A fresh buffer costs its pages' first touch; kept, it is warm for the next part.
-    At most ``KEEP`` idle ones are kept (one per concurrent writer is what staging uses).
+    At most ``KEEP`` idle ones are kept: a streaming writer uses two (one filling, one
+    being written), and staging streams one part at a time per task.
     """
 
     KEEP = 4
