@@ -44,6 +44,11 @@ SLEEP_S = 0.6
 RUN_TIMEOUT_S = 150.0
 KILL_PLAN = (("stage", 2 * SLEEP_S), ("precommit", SLEEP_S), ("postcommit", SLEEP_S))
 """(phase marker to wait for, upper bound of the random delay after it before SIGKILL)."""
+HOLD_AT = {"stage": "staged", "precommit": "precommit", "postcommit": "postcommit"}
+"""The hook that ends each kill phase, held in a run killed in that phase: a kill that lands
+late (a parent slow to see the marker on a busy machine) would otherwise fall past the
+phase, say after the commit it was meant to precede."""
+NEXT_PHASE = {"stage": "precommit", "precommit": "postcommit", "postcommit": "stage"}
 
 
 def _start(
@@ -54,15 +59,18 @@ def _start(
     log: Path,
     java_options: str,
     sleep_s: float = SLEEP_S,
+    kill_in: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start the child job with the driver JVM's ``java_options``; ``sleep_s`` is its hooks'
-    sleep (0 for a run nobody kills)."""
+    sleep (0 for a run nobody kills), ``kill_in`` the phase it will be killed in, whose
+    ending hook holds until the kill."""
     env = dict(
         os.environ,
         PYSPARK_PYTHON=sys.executable,
         PYSPARK_DRIVER_PYTHON=sys.executable,
         SINK_TEST_MARKERS=str(markers),
         SINK_TEST_SLEEP_S=str(sleep_s),
+        SINK_TEST_HOLD="" if kill_in is None else HOLD_AT[kill_in],
     )
     cmd = [
         spark_submit(),
@@ -97,7 +105,10 @@ def _markers(path: Path) -> list[tuple[str, str]]:
 def _kill_at(
     proc: subprocess.Popen[bytes], markers: Path, seen: int, phase: str, delay_s: float, log: Path
 ) -> tuple[str, str] | None:
-    """Wait for a new ``phase`` marker, wait ``delay_s``, SIGKILL the job's process group."""
+    """Wait for a new ``phase`` marker, wait ``delay_s``, SIGKILL the job's process group.
+
+    Checks that the kill landed inside the phase: no marker of the phase after it was written.
+    """
     deadline = time.monotonic() + RUN_TIMEOUT_S
     hit = None
     while hit is None:
@@ -111,6 +122,9 @@ def _kill_at(
     time.sleep(delay_s)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
+    new = _markers(markers)[seen:]
+    past = [m for m in new[new.index(hit) + 1 :] if m[0] == NEXT_PHASE[phase]]
+    assert not past, f"the kill meant for {phase} landed past it: markers {new}"
     return hit
 
 
@@ -142,7 +156,9 @@ def test_sigkill_at_random_points_then_restart_exactly_once(
     kills: list[tuple[str, str]] = []
     for phase, max_delay in KILL_PLAN:
         seen = len(_markers(markers))
-        proc = _start(input_dir, checkpoint, shard, markers, log, spark_submit_java_options)
+        proc = _start(
+            input_dir, checkpoint, shard, markers, log, spark_submit_java_options, kill_in=phase
+        )
         hit = _kill_at(proc, markers, seen, phase, rng.uniform(0, max_delay), log)
         assert hit is not None, f"the job finished before a kill at {phase}; log:\n{_tail(log)}"
         kills.append(hit)

@@ -66,6 +66,7 @@ def test_sigkill_mid_snapshot_then_restart_exactly_once(
             markers,
             log,
             spark_submit_java_options,
+            kill_in=phase,
         )
         hit = _kill_at(proc, markers, seen, phase, rng.uniform(0, max_delay), log)
         assert hit is not None, f"the job finished before a kill at {phase}; log:\n{_tail(log)}"

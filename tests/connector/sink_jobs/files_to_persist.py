@@ -16,8 +16,11 @@ sleeps ``$SINK_TEST_SLEEP_S`` seconds at each phase: ``stage`` (inside a
 task, before staging its rows), ``staged`` (inside the task, its parts
 uploaded, before it returns its commit message), ``precommit`` (driver, staged but not committed)
 and ``postcommit`` (driver, committed but before Spark records the batch in
-its commit log, so a kill here makes Spark replay the batch). The hooks only
-add sleeps and markers around the real ``write``/``commit`` calls.
+its commit log, so a kill here makes Spark replay the batch). A run that is to be
+killed in a phase names in ``$SINK_TEST_HOLD`` the hook that ends that phase, which
+after its sleep holds until the kill, so a parent slow to see the marker on a loaded
+machine still kills inside the phase and never past it. The hooks only add sleeps,
+holds and markers around the real ``write``/``commit`` calls.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ def _mark(phase: str, ident: object) -> None:
             f.flush()
             os.fsync(f.fileno())
     time.sleep(float(os.environ.get("SINK_TEST_SLEEP_S", "0")))
+    if os.environ.get("SINK_TEST_HOLD") == phase:
+        time.sleep(HOLD_S)
+
+
+HOLD_S = 600.0
+"""How long a held hook waits for its kill: bounded, so a job whose parent died ends."""
 
 
 class HookedStreamWriter(PersistStreamWriter):
