@@ -57,6 +57,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from pyspark_persist.tools.bench import ratio_text
+
 P50_TARGET = 0.7
 P95_TARGET = 0.8
 PHASES = ("addBatch", "latestOffset", "walCommit", "commitOffsets", "queryPlanning")
@@ -511,8 +513,9 @@ def render(report: Report) -> str:
         return "met" if report.targets[key] else "NOT met"
 
     lines.append(
-        f"  persist/file: p50 {report.p50_ratio:.2f}x (target <= {P50_TARGET}x: "
-        f"{verdict('p50')}), p95 {report.p95_ratio:.2f}x (target <= {P95_TARGET}x: "
+        f"  persist/file: p50 {ratio_text(report.p50_ratio, P50_TARGET)} (target <= "
+        f"{P50_TARGET}x: {verdict('p50')}), p95 {ratio_text(report.p95_ratio, P95_TARGET)} "
+        f"(target <= {P95_TARGET}x: "
         f"{verdict('p95')})"
     )
     lines.append(

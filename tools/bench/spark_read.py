@@ -54,6 +54,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pyspark_persist.tools.bench import ratio_text
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
@@ -441,18 +442,23 @@ def format_report(report: dict[str, Any]) -> str:
         return "ok" if ok else "MISSED"
 
     lines.append(
-        f"  persist / Spark Parquet: appended {report['persist_vs_parquet']:.2f}x, overwritten "
-        f"{report['overwritten_vs_parquet']:.2f}x (target >= {PARQUET_TARGET}x: "
+        f"  persist / Spark Parquet: appended "
+        f"{ratio_text(report['persist_vs_parquet'], PARQUET_TARGET)}, overwritten "
+        f"{ratio_text(report['overwritten_vs_parquet'], PARQUET_TARGET)} "
+        f"(target >= {PARQUET_TARGET}x: "
         f"{verdict(report['parquet_ok'])})"
     )
     lines.append(
-        f"  persist / no-I/O Python source: appended {report['persist_vs_ceiling']:.2f}x, "
-        f"overwritten {report['overwritten_vs_ceiling']:.2f}x (target >= {CEILING_TARGET}x: "
+        f"  persist / no-I/O Python source: appended "
+        f"{ratio_text(report['persist_vs_ceiling'], CEILING_TARGET)}, overwritten "
+        f"{ratio_text(report['overwritten_vs_ceiling'], CEILING_TARGET)} "
+        f"(target >= {CEILING_TARGET}x: "
         f"{verdict(report['ceiling_ok'])}); that source / Spark Parquet: "
         f"{report['ceiling_vs_parquet']:.2f}x"
     )
     lines.append(
-        f"  cold first read / warm: {report['cold_vs_warm']:.2f}x (target <= {COLD_TARGET}x: "
+        f"  cold first read / warm: {ratio_text(report['cold_vs_warm'], COLD_TARGET)} "
+        f"(target <= {COLD_TARGET}x: "
         f"{verdict(report['cold_ok'])}); the no-I/O source's own: "
         f"{report['ceiling_cold_vs_warm']:.2f}x; persist cold / no-I/O cold: "
         f"{report['cold_vs_ceiling_cold']:.2f}x; 2-way split / 1-way: "

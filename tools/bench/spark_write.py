@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pyspark_persist.state.config import PersistConfig
+from pyspark_persist.tools.bench import ratio_text
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
@@ -581,7 +582,7 @@ def render(report: Report) -> str:
         for mode, ratio in report.mode_ratios.items():
             ok = ratio >= THROUGHPUT_TARGET
             lines.append(
-                f"  {mode} / {PEERS[mode]} = {ratio:.2f}x "
+                f"  {mode} / {PEERS[mode]} = {ratio_text(ratio, THROUGHPUT_TARGET)} "
                 f"(target >= {THROUGHPUT_TARGET}x: {'met' if ok else 'NOT met'})"
             )
         lines.append(
@@ -611,7 +612,7 @@ def render(report: Report) -> str:
             )
         ok = report.targets["latency_p50_vs_file_pipeline"]
         lines.append(
-            f"  persist/file p50 = {report.latency_ratio:.2f}x "
+            f"  persist/file p50 = {ratio_text(report.latency_ratio, LATENCY_TARGET)} "
             f"(target <= {LATENCY_TARGET}x: {'met' if ok else 'NOT met'})"
         )
         lines.append(
