@@ -39,3 +39,23 @@ def test_a_ratio_just_under_its_target_is_not_printed_as_the_target() -> None:
     )
     assert "persist append / parquet append = 0.997x (target >= 1.0x: NOT met)" in text
     assert "persist overwrite / parquet = 1.00x (target >= 1.0x: met)" in text
+
+
+def test_lift_arrow_byte_cap_sets_the_one_value_spark_skips_and_names_it() -> None:
+    """Spark skips measuring its Arrow batch row by row only at Java's Integer.MAX_VALUE
+    exactly; the flag is off by default (a run as a new user's session is), and a run with it
+    says so in its header."""
+    assert _parse([]).lift_arrow_byte_cap is False
+    assert _parse(["--lift-arrow-byte-cap"]).lift_arrow_byte_cap is True
+    assert spark_write.NO_ARROW_BYTE_CAP == 2**31 - 1
+    figures = [WriteFigures("persist append", 10, 1.0, 10.0, 1.0)]
+    lifted = render(
+        Report(
+            size_mib=1.0,
+            partitions=2,
+            master="local[2]",
+            arrow_byte_cap_lifted=True,
+            write=figures,
+        )
+    )
+    assert "Spark's default Arrow batches not measured row by row" in lifted.splitlines()[0]
