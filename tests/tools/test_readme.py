@@ -161,6 +161,7 @@ def test_spark_snippets_run_as_written(spark: SparkSession, tmp_path: Path) -> N
         if not block.uses_spark or block.not_run is not None:
             continue
         before = {q.id for q in spark.streams.active}
+        confs = dict(spark.conf.getAll)
         df = spark.createDataFrame([(1, "a"), (2, "b")], "id long, name string")
         try:
             code = block.code.replace('"/tmp/ck/', f'"{tmp_path}/ck/')
@@ -175,3 +176,9 @@ def test_spark_snippets_run_as_written(spark: SparkSession, tmp_path: Path) -> N
             for query in spark.streams.active:
                 if query.id not in before:
                     query.stop()
+            # A snippet's session confs (the bulk-write tuning) stay out of later tests.
+            for key, value in dict(spark.conf.getAll).items():
+                if key not in confs:
+                    spark.conf.unset(key)
+                elif value != confs[key]:
+                    spark.conf.set(key, confs[key])
