@@ -49,6 +49,7 @@ HOLD_AT = {"stage": "staged", "precommit": "precommit", "postcommit": "postcommi
 late (a parent slow to see the marker on a busy machine) would otherwise fall past the
 phase, say after the commit it was meant to precede."""
 NEXT_PHASE = {"stage": "precommit", "precommit": "postcommit", "postcommit": "stage"}
+"""The marker that begins the phase after each kill phase: seen after the hit, the kill was late."""
 
 
 def _start(
@@ -107,7 +108,8 @@ def _kill_at(
 ) -> tuple[str, str] | None:
     """Wait for a new ``phase`` marker, wait ``delay_s``, SIGKILL the job's process group.
 
-    Checks that the kill landed inside the phase: no marker of the phase after it was written.
+    Checks that the kill landed inside the phase: no marker of the next phase (NEXT_PHASE)
+    was written after the hit.
     """
     deadline = time.monotonic() + RUN_TIMEOUT_S
     hit = None
