@@ -112,10 +112,13 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
     assert [(r.persist, r.peer_value, r.met) for r in rows] == [
         (40.0, 80.0, False),
         (90.0, 80.0, None),
-        (300.0, 900.0, True),
+        (300.0, 900.0, None),
         (500.0, 1e3, None),
         (550.0, 900.0, None),
     ]
+    # This pipeline is not the steady-state freshness issue 15 targets: it names the benchmark
+    # that judges it instead of a target of its own.
+    assert "spark-freshness" in rows[2].note
     assert all(r.note.startswith("not persist") for r in rows if r.metric.startswith("(scale)"))
     read = {
         "timings": [
@@ -127,5 +130,5 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
     }
     one, two, ceiling = spark_rows("spark_read", read)
     assert (one.persist, one.peer_value, one.met) == (100.0, 150.0, True)
-    assert (two.persist, two.peer_value, two.met) == (180.0, 100.0, True)
+    assert (two.persist, two.peer_value, two.met) == (180.0, 100.0, None)
     assert (ceiling.persist, ceiling.peer_value, ceiling.met) == (200.0, 150.0, None)

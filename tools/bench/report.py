@@ -846,8 +846,12 @@ def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
                     "ms",
                     "Spark file sink + file source",
                     slow[f"{q}_ms"],
-                    target="p50 <= 0.5x file pipeline" if q == "p50" else None,
-                    met=fast["p50_ms"] <= 0.5 * slow["p50_ms"] if q == "p50" else None,
+                    note=(
+                        "freshness's target is checked by `persist bench spark-freshness`, "
+                        "in steady state"
+                    )
+                    if q == "p50"
+                    else "",
                     chart="latency" if q == "p50" else None,
                     label="Spark pipeline p50",
                 )
@@ -890,8 +894,7 @@ def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
                 "persist, 1 partition per core",
                 one["mib_per_s"],
                 higher_is_better=True,
-                target="ratio >= 1.7",
-                met=two["mib_per_s"] >= 1.7 * one["mib_per_s"],
+                note="the best split count counts toward the read's target",
             )
         )
         ceiling = _by(result["timings"], "name", "python source, no I/O")
