@@ -31,8 +31,11 @@ from pyspark_persist.tools.bench.spark_freshness import (
 )
 
 
-def test_freshness_quick_reports_every_pipeline(spark: SparkSession, tmp_path: Path) -> None:
-    """persist and file pipelines see steady-state rows; every query reports its phases."""
+def test_freshness_quick_reports_every_pipeline(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """persist and file pipelines see steady-state rows; every query reports its phases; the
+    run says on stderr which pipeline it is timing, as it goes."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     ns = parser.parse_args(
@@ -71,6 +74,10 @@ def test_freshness_quick_reports_every_pipeline(spark: SparkSession, tmp_path: P
     assert json.loads(json.dumps(asdict(report)))["sink_floor_ms"] == report.sink_floor_ms
     assert "Each reader alone" in text and "append -> seen p50/p95" in text
     assert spark.streams.active == []  # every query the benchmark started was stopped
+    steps = capsys.readouterr().err
+    for kind in KINDS:
+        assert f"... spark-freshness: the {kind} pipeline, two queries" in steps, steps
+        assert f"... spark-freshness: the {kind} reader alone" in steps, steps
 
 
 def test_writer_outside_spark_appends_stamped_rows_once_a_second(tmp_path: Path) -> None:

@@ -84,8 +84,9 @@ def test_bench_all_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     data = json.loads((out / "report.json").read_text())
     assert [s["key"] for s in data["sections"]] == list(report.TITLES)
 
-    stdout = capsys.readouterr().out
-    assert "| metric | persist | peer |" in stdout
+    captured = capsys.readouterr()
+    assert "| metric | persist | peer |" in captured.out
+    assert f"... wrote {out / 'report.md'}" in captured.err  # steps on stderr, not in the report
 
 
 def test_spark_rows_pair_persist_with_spark_parquet() -> None:

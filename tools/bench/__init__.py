@@ -1,5 +1,13 @@
 """Benchmarks of persist itself (no Spark): see :mod:`pyspark_persist.tools.bench.core`."""
 
+import sys
+
+
+def step(msg: str) -> None:
+    """One step of a long benchmark, as a line on stderr (stdout carries only its report,
+    which ``--json`` keeps parseable)."""
+    print(f"... {msg}", file=sys.stderr, flush=True)
+
 
 def ratio_text(value: float, target: float) -> str:
     """``value`` as a ratio beside ``target``: two decimals, or three where two would round

@@ -73,6 +73,7 @@ from pyspark_persist.state.consensus import (
     VersionedData,
     open_consensus,
 )
+from pyspark_persist.tools.bench import step
 
 MiB = 1 << 20
 
@@ -1273,10 +1274,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     """Run the benchmark from parsed flags and print the report; returns the exit code."""
     config = config_from_args(ns)
 
-    def progress(msg: str) -> None:
-        print(f"... {msg}", file=sys.stderr, flush=True)
-
-    report = run_core(config, progress)
+    report = run_core(config, step)
     if ns.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 
 from pyspark_persist.state import Committed, PersistClient, PersistConfig
 from pyspark_persist.state.parts import DIFF, TIME
+from pyspark_persist.tools.bench import step
 
 SCHEMA = pa.schema([("k", pa.int64())])
 READ_TARGET = 10.0
@@ -329,10 +330,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     """Run from parsed flags and print the report; returns the exit code."""
     opts = options_from_args(ns)
 
-    def progress(msg: str) -> None:
-        print(f"... {msg}", file=sys.stderr, flush=True)
-
-    report = run(opts, progress)
+    report = run(opts, step)
     print(json.dumps(report.to_json(), indent=2) if ns.json else format_report(report))
     return 0
 

@@ -58,7 +58,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pyspark_persist.tools.bench import core
+from pyspark_persist.tools.bench import core, step
 from pyspark_persist.tools.bench import maintenance as maint
 from pyspark_persist.tools.bench import pubsub as pubsub_bench
 
@@ -1280,17 +1280,14 @@ def run_from_args(ns: argparse.Namespace, command: str = "persist bench all") ->
     """
     opts = options_from_args(ns)
 
-    def say(msg: str) -> None:
-        print(f"... {msg}", file=sys.stderr, flush=True)
-
     os.makedirs(opts.out, exist_ok=True)
-    report = run_all(opts, say, command)
+    report = run_all(opts, step, command)
     chart = os.path.join(opts.out, "report.png")
     chart_name: str | None = "report.png"
     try:
         write_chart(report, chart)
     except ImportError as e:
-        say(f"chart: not written ({_first_line(e)}; install matplotlib)")
+        step(f"chart: not written ({_first_line(e)}; install matplotlib)")
         chart_name = None
     md = to_markdown(report, chart_name)
     with open(os.path.join(opts.out, "report.md"), "w") as f:
@@ -1298,7 +1295,7 @@ def run_from_args(ns: argparse.Namespace, command: str = "persist bench all") ->
     with open(os.path.join(opts.out, "report.json"), "w") as f:
         json.dump(report.to_json(), f, indent=2, default=str)
     print(md)
-    say(f"wrote {os.path.join(opts.out, 'report.md')}" + (f" and {chart}" if chart_name else ""))
+    step(f"wrote {os.path.join(opts.out, 'report.md')}" + (f" and {chart}" if chart_name else ""))
     return 1 if any(s.status == "failed" for s in report.sections) else 0
 
 

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from pyspark_persist.tools.bench import ratio_text
+from pyspark_persist.tools.bench import ratio_text, step
 
 P50_TARGET = 0.7
 P95_TARGET = 0.8
@@ -461,10 +461,12 @@ def run(ns: argparse.Namespace, spark: Any = None) -> Report:
     report = Report(seconds, steady, ns.rows_per_second, ns.pubsub)
     try:
         for kind in KINDS:
+            step(f"spark-freshness: the {kind} pipeline, two queries ({seconds:.0f} s)")
             report.pipelines.append(
                 run_pipeline(session, kind, seconds, steady, ns.rows_per_second, workdir, ns.pubsub)
             )
         for kind in KINDS:
+            step(f"spark-freshness: the {kind} reader alone ({seconds:.0f} s)")
             report.alone.append(
                 run_alone(session, kind, seconds, steady, ns.rows_per_second, workdir, ns.pubsub)
             )

@@ -54,7 +54,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pyspark_persist.tools.bench import ratio_text
+from pyspark_persist.tools.bench import ratio_text, step
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
@@ -200,9 +200,13 @@ def _best_interleaved(dfs: Sequence[Any], repeat: int) -> list[Scan]:
     persist 1/core 170 MiB/s, 2/core 193, overwritten 235, Parquet 241, the no-I/O source
     244, in that order), which charged the first readers with the warm-up.
     """
+    step(f"spark-read: a warm-up scan of each of {len(dfs)} readers")
     for df in dfs:
         _scan(df)
-    rounds = [[_scan(df) for df in dfs] for _ in range(repeat)]
+    rounds = []
+    for n in range(repeat):
+        step(f"spark-read: timed round {n + 1} of {repeat}")
+        rounds.append([_scan(df) for df in dfs])
     return [_best(list(scans)) for scans in zip(*rounds, strict=True)]
 
 
@@ -322,7 +326,9 @@ def run(opts: Options) -> dict[str, Any]:
     os.environ["PERSIST_HOME"] = home  # Spark's Python workers inherit the location
     try:
         t0 = time.perf_counter()
+        step(f"spark-read: writing {opts.size_mib} MiB of rows to two shards and Parquet files")
         nrows, nbytes = write_data(opts, home, parquet_dir)
+        step(f"spark-read: starting Spark (local[{opts.cores}])")
         write_s = time.perf_counter() - t0
         spark = _session(opts.cores)
         try:
@@ -354,6 +360,7 @@ def run(opts: Options) -> dict[str, Any]:
         finally:
             spark.stop()
         for source, label in zip(COLD_SOURCES, ("persist", CEILING), strict=True):
+            step(f"spark-read: the first read of a fresh Spark session, {label}")
             probe = _run_cold_probe(source, workdir, opts.cores, nrows)
             for when in ("first", "warm"):
                 scan = Scan(**probe[when])

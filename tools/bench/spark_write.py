@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.tools.bench import ratio_text
+from pyspark_persist.tools.bench import ratio_text, step
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
@@ -243,6 +243,7 @@ def _session(master: str, arrow_batch_rows: int | None = None, lift_byte_cap: bo
         SparkSession.builder.master(master)
         .appName("persist-bench-spark-write")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")  # the benchmark says what it runs
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
@@ -360,7 +361,8 @@ def _throughput(
     best = dict.fromkeys(writers, float("inf"))
     least_cpu: dict[str, float] = {}
     least_worker_cpu: dict[str, float] = {}
-    for _ in range(ROUNDS):  # interleaved, so a slow spell of the machine hits every writer
+    for n in range(ROUNDS):  # interleaved, so a slow spell of the machine hits every writer
+        step(f"spark-write: round {n + 1} of {ROUNDS}: {', '.join(writers)}")
         for name, write in writers.items():
             if name in emptied_first:
                 emptied_first[name]()
@@ -533,6 +535,7 @@ def run(ns: argparse.Namespace) -> Report:
     )
     try:
         if not ns.skip_throughput:
+            step(f"spark-write: caching {size:.0f} MiB of rows, then writing it per writer")
             report.write = _throughput(spark, size, ns.partitions, opts, workdir)
             by = {w.writer: w for w in report.write}
             for mode, peer in PEERS.items():
@@ -548,6 +551,7 @@ def run(ns: argparse.Namespace) -> Report:
             report.own_cpu = _own_cpu(by)
         if not ns.skip_latency:
             for kind in ("persist", "parquet", "floor"):
+                step(f"spark-write: latency, the {kind} pipeline ({lat_s:.0f} s)")
                 report.latency.append(
                     _latency(spark, kind, ns.rows_per_second, lat_s, warmup, opts, workdir)
                 )
