@@ -103,24 +103,29 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
             {"writer": "parquet append", "rows": 10, "mib_per_s": 80.0},
             {"writer": "discard", "rows": 10, "mib_per_s": 90.0},
         ],
-        "latency": [
-            {"pipeline": "rate -> persist sink -> persist source", "p50_ms": 300.0, "p95_ms": 5e2},
-            {"pipeline": "rate -> parquet sink -> parquet source", "p50_ms": 900.0, "p95_ms": 1e3},
-            {"pipeline": "rate -> foreachBatch (floor)", "p50_ms": 550.0, "p95_ms": 7e2},
-        ],
     }
     rows = spark_rows("spark_write", write)
     assert [(r.persist, r.peer_value, r.met) for r in rows] == [
         (40.0, 80.0, False),
         (90.0, 80.0, None),
-        (300.0, 900.0, None),
-        (500.0, 1e3, None),
-        (550.0, 900.0, None),
     ]
-    # This pipeline is not the steady-state freshness issue 15 targets: it names the benchmark
-    # that judges it instead of a target of its own.
-    assert "spark-freshness" in rows[2].note
     assert all(r.note.startswith("not persist") for r in rows if r.metric.startswith("(scale)"))
+    fresh = {
+        "pipelines": [
+            {"kind": "persist", "p50_ms": 180.0, "p95_ms": 300.0},
+            {"kind": "file", "p50_ms": 258.0, "p95_ms": 361.0},
+            {"kind": "floor", "p50_ms": 0.0, "p95_ms": 0.0},
+        ],
+        "sink_floor_ms": 154.0,
+    }
+    p50, p95, floor = spark_rows("spark_freshness", fresh)
+    # Lower is better: p50 180 <= 0.7 * 258 = 180.6 is met; p95 300 > 0.8 * 361 = 288.8 is not.
+    assert (p50.persist, p50.peer_value, p50.met) == (180.0, 258.0, True)
+    assert p50.target == "<= 0.7x file pipeline"
+    assert (p95.persist, p95.peer_value, p95.met) == (300.0, 361.0, False)
+    assert p50.advantage == 258.0 / 180.0
+    assert (floor.persist, floor.peer_value, floor.met) == (154.0, 258.0, None)
+    assert floor.note.startswith("not persist")
     read = {
         "timings": [
             {"name": "persist 1/core", "partitions": 2, "mib_per_s": 100.0},
