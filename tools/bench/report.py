@@ -61,16 +61,16 @@ import pyarrow as pa
 from pyspark_persist.tools.bench import core, step
 from pyspark_persist.tools.bench import maintenance as maint
 from pyspark_persist.tools.bench import pubsub as pubsub_bench
+from pyspark_persist.tools.bench.spark_freshness import P50_TARGET, P95_TARGET
 
 MiB = core.MiB
 SPARK_MODULES = ("spark_write", "spark_read", "spark_freshness")
 """The Spark benchmarks (``pyspark_persist.tools.bench.<name>``) this report runs when present."""
-SPARK_ARGS = {"spark_write": ["--skip-latency"], "spark_freshness": []}
-"""Flags a module runs with here, instead of ``--size-mib`` (spark_freshness has no size; its
-freshness is what spark_write's latency pipelines would measure less well)."""
-FRESHNESS_P50_TARGET = 0.7
-FRESHNESS_P95_TARGET = 0.8
-"""Issue 15's steady-state freshness targets, as fractions of the file pipeline's."""
+UNSIZED = frozenset({"spark_freshness"})
+"""The Spark benchmarks that take no ``--size-mib``."""
+SPARK_FLAGS = {"spark_write": ["--skip-latency"]}
+"""Flags a module runs with here: spark_freshness measures what spark_write's latency
+pipelines would, in steady state."""
 
 Progress = Callable[[str], None]
 
@@ -845,7 +845,7 @@ def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
     elif name == "spark_freshness":
         persist = _by(result["pipelines"], "kind", "persist")
         files = _by(result["pipelines"], "kind", "file")
-        for q, target in (("p50", FRESHNESS_P50_TARGET), ("p95", FRESHNESS_P95_TARGET)):
+        for q, target in (("p50", P50_TARGET), ("p95", P95_TARGET)):
             rows.append(
                 Row(
                     f"two-query freshness {q}, steady state (rate -> sink; a query tailing it)",
@@ -949,12 +949,12 @@ def run_spark_section(opts: ReportOptions, say: Progress) -> tuple[Section, dict
         if mod is None:
             missing.append(name)
             continue
-        say(f"spark: {name}" + ("" if name == "spark_freshness" else f" ({opts.size_mib} MiB)"))
-        size = str(opts.size_mib)
-        fixed = SPARK_ARGS.get(name, [])
-        sized = fixed if name == "spark_freshness" else ["--size-mib", size, *fixed]
+        sized = name not in UNSIZED
+        say(f"spark: {name}" + (f" ({opts.size_mib} MiB)" if sized else ""))
+        flags = SPARK_FLAGS.get(name, [])
+        full = ["--size-mib", str(opts.size_mib), *flags] if sized else flags
         argvs: list[list[str]] = (
-            [["--quick", *fixed]] if opts.quick else [sized, ["--quick", *fixed]]
+            [["--quick", *flags]] if opts.quick else [full, ["--quick", *flags]]
         )
         try:
             used, result = _run_main_json(mod, argvs)

@@ -328,8 +328,8 @@ def run(opts: Options) -> dict[str, Any]:
         t0 = time.perf_counter()
         step(f"spark-read: writing {opts.size_mib} MiB of rows to two shards and Parquet files")
         nrows, nbytes = write_data(opts, home, parquet_dir)
-        step(f"spark-read: starting Spark (local[{opts.cores}])")
         write_s = time.perf_counter() - t0
+        step(f"spark-read: starting Spark (local[{opts.cores}])")
         spark = _session(opts.cores)
         try:
             mib = nbytes / MiB
