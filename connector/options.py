@@ -130,7 +130,7 @@ OPTIONS: tuple[OptionName, ...] = (
 )
 _BY_KEY = {o.spelling.lower(): o for o in OPTIONS}
 SPELLING = {key: o.spelling for key, o in _BY_KEY.items()}
-"""The user-facing spelling of every accepted (lower-cased) key, for messages and the README."""
+"""The user-facing spelling of every accepted (lower-cased) key, for messages and the docs."""
 _SPARKS = frozenset({"path", "paths", CHECKPOINT, QUERY_NAME})
 """Names Spark itself passes: never listed as valid choices in a message."""
 
@@ -163,7 +163,11 @@ PEER_NAMES: tuple[PeerName, ...] = (
     PeerName("subscribePattern", "Kafka", "a query reads one shard: use shard"),
     PeerName("assign", "Kafka", "a query reads one shard: use shard"),
     PeerName("topic", "Kafka", "use shard (or .save(name))"),
-    PeerName("kafka.bootstrap.servers", "Kafka", "use blob and consensus (see Locations)"),
+    PeerName(
+        "kafka.bootstrap.servers",
+        "Kafka",
+        "use blob and consensus (docs/configuration.md: Locations)",
+    ),
     PeerName("versionAsOf", "Delta", "persist reads by time: use asOf (a time)"),
     PeerName(
         "ignoreChanges",
