@@ -186,14 +186,24 @@ def test_snippets_run_as_written(reading: str, tmp_path: Path) -> None:
         done = run_block(block, work, env)
         assert done.returncode == 0, f"{describe(block)} failed:\n{done.stdout}\n{done.stderr}"
         outputs[block] = done.stdout
-    # The Python API example prints what its comments say.
-    api = next((b for b in blocks if "reader.listen(" in b.code), None)
-    if api is not None:
-        printed = outputs[api].splitlines()
-        assert printed[0].startswith("[{'id': 2, 'name': 'b', '_time': ")
-        assert printed[0].endswith("'_diff': 1}]")
-        assert printed[1] == "3"
-        assert printed[2].startswith("[{'id': 3, 'name': 'c', '_time': ")
+    # The Python examples print what their comments say.
+    for block, output in outputs.items():
+        if block.lang == "python" and "reader.listen(" in block.code:
+            check_python_example(block, output.splitlines())
+
+
+def check_python_example(block: Block, printed: list[str]) -> None:
+    """The README's Python example and the Python API page's print what their comments say."""
+    if block.path == "README.md":
+        assert printed[0].startswith("[{'id': 1, 'name': 'a', '_time': "), printed
+        assert printed[0].endswith("'_diff': 1}]") and printed[0].count("'_diff': 1") == 2
+        assert printed[1].startswith("[{'id': 3, 'name': 'c', '_time': "), printed
+        return
+    assert block.path == "docs/python-api.md", describe(block)
+    assert printed[0].startswith("[{'id': 2, 'name': 'b', '_time': "), printed
+    assert printed[0].endswith("'_diff': 1}]")
+    assert printed[1] == "3"
+    assert printed[2].startswith("[{'id': 3, 'name': 'c', '_time': ")
 
 
 @pytest.mark.spark
