@@ -11,7 +11,7 @@
   ``report.png``) are written by ``persist bench all`` and kept beside the code, not
   under ``docs/``; they are added to the site under ``bench-report/``. A page links
   them as ``../bench-report/...`` (right when the page is read in the repository) and
-  the site resolves that to its own copy.
+  the site resolves that to its own copy; their links into ``../docs/`` likewise.
 
 Everything here reads local files only: a build needs no network.
 """
@@ -135,5 +135,5 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
             raise ValueError(f"docs/index.md lost its marker {README_MARKER!r}")
         markdown = markdown.replace(README_MARKER, readme_as_home())
     elif page.file.src_uri.startswith("bench-report/"):
-        return markdown
+        return markdown.replace("](../docs/", "](../")
     return markdown.replace("](../bench-report/", "](bench-report/")
