@@ -40,6 +40,7 @@ SHARD = "shard"
 BLOB = "blob"
 CONSENSUS = "consensus"
 PUBSUB = "pubsub"
+PUBSUB_POLL = "pubsubpollms"
 STARTING_POSITION = "startingposition"
 STARTING_AS_OF = "startingasof"
 STARTING_TIME = "startingtime"
@@ -69,6 +70,8 @@ PATHS = "paths"
 
 DEFAULT_SPLIT_SIZE = 64 << 20
 DEFAULT_MIN_PARTITIONS = 1
+DEFAULT_PUBSUB_POLL_MS = 1000
+"""How stale a streaming source's cached answer may be while PubSub pushes look healthy."""
 
 _ALL: frozenset[Purpose] = frozenset({"read", "stream_read", "write", "stream_write"})
 _READS: frozenset[Purpose] = frozenset({"read", "stream_read"})
@@ -152,6 +155,17 @@ OPTIONS: tuple[OptionName, ...] = (
             "off",
             "`host:port` (gRPC server), `auto` (embedded default: first reader serves on "
             "loopback), `postgres` (LISTEN/NOTIFY), e.g. `auto`",
+        ),
+    ),
+    OptionName(
+        "pubsubPollMs",
+        PUBSUB_POLL,
+        _STREAM_READ,
+        doc=OptionDoc(
+            str(DEFAULT_PUBSUB_POLL_MS),
+            "with `pubsub` set, how stale `latestOffset`'s answer from the PubSub-confirmed "
+            "state may be: Consensus is read at least this often anyway, since a push may be "
+            "lost (`0`: on every `latestOffset`; see [PubSub](pubsub.md)), e.g. `250`",
         ),
     ),
     OptionName(
@@ -494,6 +508,9 @@ class PersistOptions:
     blob: str
     consensus: str
     pubsub: str | None = None
+    pubsub_poll_ms: int = DEFAULT_PUBSUB_POLL_MS
+    """While PubSub delivers the shard, a streaming source reads Consensus at least this
+    often anyway (0: always): a push may be lost, and must not hide a commit for longer."""
     starting_position: Literal["earliest", "latest"] = "earliest"
     starting_as_of: int | None = None
     starting_time: int | None = None
@@ -581,6 +598,7 @@ class PersistOptions:
                 "one limit per micro-batch); set only one"
             )
         pubsub = opts.get(PUBSUB)
+        poll_ms = _int(opts, said, PUBSUB_POLL)
         writer_id = opts.get(WRITER_ID) or None
         txn_version = _int(opts, said, TXN_VERSION)
         if txn_version is not None and writer_id is None:
@@ -594,6 +612,7 @@ class PersistOptions:
             blob=_uri(opts, said, BLOB) or default_blob_uri(),
             consensus=_uri(opts, said, CONSENSUS) or default_consensus_uri(),
             pubsub=None if pubsub in (None, "", "off", "none") else pubsub,
+            pubsub_poll_ms=DEFAULT_PUBSUB_POLL_MS if poll_ms is None else poll_ms,
             starting_position="latest" if position == "latest" else "earliest",
             starting_as_of=starting_as_of,
             starting_time=starting_time,
