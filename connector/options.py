@@ -40,6 +40,7 @@ SHARD = "shard"
 BLOB = "blob"
 CONSENSUS = "consensus"
 PUBSUB = "pubsub"
+PUBSUB_POLL = "pubsubpollms"
 STARTING_POSITION = "startingposition"
 STARTING_AS_OF = "startingasof"
 STARTING_TIME = "startingtime"
@@ -69,6 +70,8 @@ PATHS = "paths"
 
 DEFAULT_SPLIT_SIZE = 64 << 20
 DEFAULT_MIN_PARTITIONS = 1
+DEFAULT_PUBSUB_POLL_MS = 1000
+"""How stale a streaming source's cached answer may be while PubSub pushes look healthy."""
 
 _ALL: frozenset[Purpose] = frozenset({"read", "stream_read", "write", "stream_write"})
 _READS: frozenset[Purpose] = frozenset({"read", "stream_read"})
@@ -80,57 +83,340 @@ _BATCH_WRITE: frozenset[Purpose] = frozenset({"write"})
 
 
 @dataclass(frozen=True)
+class OptionDoc:
+    """What the docs say of one setting: its row of the options table in
+    ``docs/spark-options.md``, which ``docs/hooks.py`` builds from :data:`OPTIONS`."""
+
+    default: str
+    meaning: str
+    """What it does, ending with an example (``e.g. ...``); Markdown."""
+    applies: str = ""
+    """Where it applies, when its operations say too little (``stream read, change feed``)."""
+
+
+@dataclass(frozen=True)
 class OptionName:
     """One name ``format("persist")`` accepts: its spelling, the setting it feeds, and where."""
 
     spelling: str
     setting: str
     purposes: frozenset[Purpose]
+    peers: str = ""
+    """The other systems that spell a name so ("Delta", "Delta, Kafka"): for an alias, whose
+    name it is; for persist's own name of a setting, who shares it."""
+    doc: OptionDoc | None = None
+    """The setting's documentation, on persist's own name of it (the one whose lower-cased
+    spelling is the setting); aliases and the names Spark passes itself have none."""
 
+
+_CAP = (
+    "cap one micro-batch at this many {what}, the first snapshot included (whole persist "
+    "batches; at least one). Set one limit at most; a capped snapshot is cut by time (see "
+    "[Read limits](#read-limits)), e.g. `{example}`"
+)
 
 OPTIONS: tuple[OptionName, ...] = (
-    OptionName("shard", SHARD, _ALL),
+    OptionName(
+        "shard",
+        SHARD,
+        _ALL,
+        doc=OptionDoc(
+            "—",
+            "shard name (or the `load()`/`save()`/`start()` path): letters, digits, `_ - .`, at "
+            'most 200, e.g. `.load("events")`',
+        ),
+    ),
     OptionName("path", SHARD, _ALL),  # Spark's, from .load(path) / .save(path) / .start(path)
     OptionName("paths", PATHS, _READS),  # Spark's, from .load([p1, p2]): refused, one shard
-    OptionName("blob", BLOB, _ALL),
-    OptionName("consensus", CONSENSUS, _ALL),
-    OptionName("pubsub", PUBSUB, _ALL),
-    OptionName("startingPosition", STARTING_POSITION, _STREAM_READ),
-    OptionName("startingAsOf", STARTING_AS_OF, _STREAM_READ),
-    OptionName("startingTime", STARTING_TIME, _READS),
-    OptionName("startingTimestamp", STARTING_TIME, _READS),  # Delta's and Kafka's name
-    OptionName("startingSeqNo", STARTING_SEQNO, _READS),
-    OptionName("startingVersion", STARTING_SEQNO, _READS),  # Delta's name
-    OptionName("readChanges", READ_CHANGES, _READ),
-    OptionName("readChangeFeed", READ_CHANGES, _READ),  # Delta's name
-    OptionName("endingTime", ENDING_TIME, _READ),
-    OptionName("endingTimestamp", ENDING_TIME, _READ),  # Delta's name: inclusive, so + 1
-    OptionName("endingSeqNo", ENDING_SEQNO, _READ),
-    OptionName("endingVersion", ENDING_SEQNO, _READ),  # Delta's name
-    OptionName("history", HISTORY, _READ),
-    OptionName("asOf", AS_OF, _READ),
-    OptionName("timestampAsOf", AS_OF, _READ),  # Delta's name
-    OptionName("maxBytesPerTrigger", MAX_BYTES, _STREAM_READ),
-    OptionName("maxFilesPerTrigger", MAX_FILES, _STREAM_READ),
-    OptionName("maxRowsPerTrigger", MAX_ROWS, _STREAM_READ),
-    OptionName("splitSizeBytes", SPLIT_SIZE, _READS),
-    OptionName("minPartitions", MIN_PARTITIONS, _READS),
-    OptionName("failOnDataLoss", FAIL_ON_DATA_LOSS, _STREAM_READ),
-    OptionName("metricsFile", METRICS_FILE, _STREAM_READ),
-    OptionName("filterPushdown", FILTER_PUSHDOWN, _READ),
-    OptionName("leaseSeconds", LEASE_SECONDS, _READ),
-    OptionName("writerId", WRITER_ID, _WRITES),
-    OptionName("txnAppId", WRITER_ID, _BATCH_WRITE),  # Delta's name for writerId
-    OptionName("txnVersion", TXN_VERSION, _BATCH_WRITE),  # Delta's name too
-    OptionName("partSizeBytes", PART_SIZE, _WRITES),
-    OptionName("retention", RETENTION, _WRITES),
-    OptionName("mergeSchema", MERGE_SCHEMA, _WRITES),  # Delta's name too
+    OptionName(
+        "blob",
+        BLOB,
+        _ALL,
+        doc=OptionDoc(
+            "`file://$PERSIST_HOME/blob`",
+            "Blob URI (see [Locations](configuration.md#locations-uris)), e.g. "
+            "`s3://bucket/prefix`",
+        ),
+    ),
+    OptionName(
+        "consensus",
+        CONSENSUS,
+        _ALL,
+        doc=OptionDoc(
+            "`sqlite:///$PERSIST_HOME/consensus.db`",
+            "Consensus URI, e.g. `postgresql://persist@db:5432/persist`",
+        ),
+    ),
+    OptionName(
+        "pubsub",
+        PUBSUB,
+        _ALL,
+        doc=OptionDoc(
+            "off",
+            "`host:port` (gRPC server), `auto` (embedded default: first reader serves on "
+            "loopback), `postgres` (LISTEN/NOTIFY), e.g. `auto`",
+        ),
+    ),
+    OptionName(
+        "pubsubPollMs",
+        PUBSUB_POLL,
+        _STREAM_READ,
+        doc=OptionDoc(
+            str(DEFAULT_PUBSUB_POLL_MS),
+            "with `pubsub` set, how stale `latestOffset`'s answer from the PubSub-confirmed "
+            "state may be: Consensus is read at least this often anyway, since a push may be "
+            "lost (`0`: on every `latestOffset`; see [PubSub](pubsub.md)), e.g. `250`",
+        ),
+    ),
+    OptionName(
+        "startingPosition",
+        STARTING_POSITION,
+        _STREAM_READ,
+        doc=OptionDoc(
+            "`earliest`",
+            "`earliest`: the snapshot, then changes; `latest`: only new changes, e.g. `latest`",
+        ),
+    ),
+    OptionName(
+        "startingAsOf",
+        STARTING_AS_OF,
+        _STREAM_READ,
+        doc=OptionDoc(
+            "—",
+            "the snapshot as of this time, then changes (contradicts the other starting "
+            "options); a time in `[since, upper)`, else an error naming both, e.g. "
+            "`2026-11-21T12:00:00Z`",
+        ),
+    ),
+    OptionName(
+        "startingTime",
+        STARTING_TIME,
+        _READS,
+        doc=OptionDoc(
+            "—",
+            "no snapshot: every change at a time from this one on, with its own `_time`, e.g. "
+            "`2026-11-21`. Must be in `[since + 1, upper]`: earlier changes were compacted "
+            "together (`failOnDataLoss`)",
+            applies="stream read, change feed",
+        ),
+    ),
+    OptionName("startingTimestamp", STARTING_TIME, _READS, peers="Delta, Kafka"),
+    OptionName(
+        "startingSeqNo",
+        STARTING_SEQNO,
+        _READS,
+        doc=OptionDoc(
+            "—",
+            "no snapshot: every change committed at this SeqNo or later (the times from the "
+            "upper SeqNo − 1 left), e.g. `42`; the SeqNo must still be in Consensus (`persist "
+            "shards history` lists them)",
+            applies="stream read, change feed",
+        ),
+    ),
+    OptionName("startingVersion", STARTING_SEQNO, _READS, peers="Delta"),
+    OptionName(
+        "maxBytesPerTrigger",
+        MAX_BYTES,
+        _STREAM_READ,
+        peers="Delta",
+        doc=OptionDoc("none", _CAP.format(what="bytes", example="64m")),
+    ),
+    OptionName(
+        "maxFilesPerTrigger",
+        MAX_FILES,
+        _STREAM_READ,
+        peers="Delta",
+        doc=OptionDoc("none", _CAP.format(what="parts", example="10")),
+    ),
+    OptionName(
+        "maxRowsPerTrigger",
+        MAX_ROWS,
+        _STREAM_READ,
+        doc=OptionDoc("none", _CAP.format(what="rows", example="100000")),
+    ),
+    OptionName(
+        "metricsFile",
+        METRICS_FILE,
+        _STREAM_READ,
+        doc=OptionDoc(
+            "none",
+            "append one JSON line per micro-batch to this local file: its end offset, "
+            "`latest_offset_ms` (`waited_ms` of it spent waiting for a PubSub commit notice), "
+            "`partitions_ms`, tasks, parts, rows and bytes planned, and `behind` (see "
+            "[Lag](spark.md#lag)), e.g. `/tmp/q1-source.jsonl`",
+        ),
+    ),
+    OptionName(
+        "failOnDataLoss",
+        FAIL_ON_DATA_LOSS,
+        _STREAM_READ,
+        peers="Kafka",
+        doc=OptionDoc(
+            "`true`",
+            "offsets compacted away: fail (naming this option), or with `false` skip ahead and "
+            "log it, e.g. `false`",
+        ),
+    ),
+    OptionName(
+        "splitSizeBytes",
+        SPLIT_SIZE,
+        _READS,
+        doc=OptionDoc(f"{DEFAULT_SPLIT_SIZE >> 20} MiB", "target bytes per read task, e.g. `128m`"),
+    ),
+    OptionName(
+        "minPartitions",
+        MIN_PARTITIONS,
+        _READS,
+        peers="Kafka",
+        doc=OptionDoc(
+            str(DEFAULT_MIN_PARTITIONS),
+            "at least this many read tasks (when there are enough parts), e.g. `4`",
+        ),
+    ),
+    OptionName(
+        "asOf",
+        AS_OF,
+        _READ,
+        doc=OptionDoc(
+            "latest",
+            "read the collection as of this time, e.g. `2026-11-23T15:04:05Z` (must be in "
+            "`[since, upper)`: the error names both)",
+        ),
+    ),
+    OptionName("timestampAsOf", AS_OF, _READ, peers="Delta"),
+    OptionName(
+        "leaseSeconds",
+        LEASE_SECONDS,
+        _READ,
+        doc=OptionDoc(
+            "60",
+            "how long the read's parts stay held while none of its tasks runs (the tasks "
+            "heartbeat the lease, so a job holds its parts as long as it runs); raise it for "
+            "jobs whose tasks queue longer than this before starting, e.g. `600`",
+        ),
+    ),
+    OptionName(
+        "readChanges",
+        READ_CHANGES,
+        _READ,
+        doc=OptionDoc(
+            "`false`",
+            "the change feed: every update with a time in `[start, end)`, each with its own "
+            "`_time` and `_diff`, nothing consolidated away, e.g. "
+            '`.option("readChangeFeed", "true").option("startingTimestamp", "2026-11-21")`. '
+            "Start: `startingTime`/`startingSeqNo` (default 0: all kept history); end: "
+            "`endingTime`/`endingSeqNo`. The range must start at 0 or after since and end "
+            "after since, at most at upper: the error names both",
+        ),
+    ),
+    OptionName("readChangeFeed", READ_CHANGES, _READ, peers="Delta"),
+    OptionName(
+        "endingTime",
+        ENDING_TIME,
+        _READ,
+        doc=OptionDoc(
+            "upper",
+            "end of the change range: `endingTime` is exclusive; Delta's `endingTimestamp` is "
+            "inclusive, as in Delta, e.g. `2026-11-22`",
+            applies="batch read, `readChanges`",
+        ),
+    ),
+    OptionName("endingTimestamp", ENDING_TIME, _READ, peers="Delta"),  # inclusive, so + 1
+    OptionName(
+        "endingSeqNo",
+        ENDING_SEQNO,
+        _READ,
+        doc=OptionDoc(
+            "—",
+            "the changes committed up to this SeqNo, inclusive, e.g. `57`",
+            applies="batch read, `readChanges`",
+        ),
+    ),
+    OptionName("endingVersion", ENDING_SEQNO, _READ, peers="Delta"),
+    OptionName(
+        "history",
+        HISTORY,
+        _READ,
+        doc=OptionDoc(
+            "`false`",
+            "the shard's commits instead of its data (Delta's `DESCRIBE HISTORY`): one row per "
+            'commit, columns as `shards history --json`, e.g. `.option("history", "true")`',
+        ),
+    ),
+    OptionName(
+        "filterPushdown",
+        FILTER_PUSHDOWN,
+        _READ,
+        doc=OptionDoc(
+            "`false`",
+            "skip parts by per-column min/max; also needs "
+            "`spark.sql.python.filterPushdown.enabled=true` (Spark refuses a Python reader "
+            "with `pushFilters` unless that conf is on, so this is opt-in), e.g. `true`",
+        ),
+    ),
+    OptionName(
+        "writerId",
+        WRITER_ID,
+        _WRITES,
+        doc=OptionDoc(
+            "the query id",
+            "writer identity for exactly-once (see the [idempotency contract]"
+            "(idempotency.md)), e.g. `nightly-load`",
+        ),
+    ),
+    OptionName("txnAppId", WRITER_ID, _BATCH_WRITE, peers="Delta"),
+    OptionName(
+        "txnVersion",
+        TXN_VERSION,
+        _BATCH_WRITE,
+        peers="Delta",
+        doc=OptionDoc(
+            "none",
+            "with `writerId`: this write's version; the same or a lower version of that "
+            "`writerId` again is skipped (logged at INFO), a higher one is written. Without it "
+            "a batch write always lands, e.g. `7`",
+        ),
+    ),
+    OptionName(
+        "partSizeBytes",
+        PART_SIZE,
+        _WRITES,
+        doc=OptionDoc(
+            "64 MiB",
+            "staged part size: an executor holds about `partSizeBytes * 5` while staging, "
+            "e.g. `32m`",
+        ),
+    ),
+    OptionName(
+        "mergeSchema",
+        MERGE_SCHEMA,
+        _WRITES,
+        peers="Delta",
+        doc=OptionDoc(
+            "`false`",
+            "add the DataFrame's columns the shard lacks to its schema, in the write's own "
+            "commit (see [Schema evolution](spark.md#schema-evolution)), e.g. "
+            '`.option("mergeSchema", "true")`',
+        ),
+    ),
+    OptionName(
+        "retention",
+        RETENTION,
+        _WRITES,
+        doc=OptionDoc(
+            "as the shard has it (none for a new one)",
+            "the shard's retention period, e.g. `7d`, `12h`, `30m`, `45s`, `500ms` or "
+            "milliseconds (`0`: none); set on creation and whenever it differs (see "
+            "[Retention](maintenance.md"
+            "#retention-storage-bounded-by-time-never-at-a-live-readers-expense))",
+        ),
+    ),
     OptionName("checkpointLocation", CHECKPOINT, _STREAM_WRITE),  # Spark's, for streaming
     OptionName("queryName", QUERY_NAME, _STREAM_WRITE),  # Spark's, from .queryName(name)
 )
 _BY_KEY = {o.spelling.lower(): o for o in OPTIONS}
 SPELLING = {key: o.spelling for key, o in _BY_KEY.items()}
-"""The user-facing spelling of every accepted (lower-cased) key, for messages and the README."""
+"""The user-facing spelling of every accepted (lower-cased) key, for messages and the docs."""
 _SPARKS = frozenset({"path", "paths", CHECKPOINT, QUERY_NAME})
 """Names Spark itself passes: never listed as valid choices in a message."""
 
@@ -143,6 +429,9 @@ class PeerName:
     spelling: str
     system: str
     hint: str
+    setting: str | None = None
+    """The setting that does its job, whose row of the docs' options table names it (None: no
+    one setting does; the docs list it with its hint only)."""
 
 
 PEER_NAMES: tuple[PeerName, ...] = (
@@ -150,21 +439,27 @@ PEER_NAMES: tuple[PeerName, ...] = (
         "startingOffsets",
         "Kafka",
         "use startingPosition (earliest/latest) or startingAsOf (a time)",
+        STARTING_POSITION,
     ),
     PeerName(
         "endingOffsets",
         "Kafka",
         "use asOf (a time), or readChanges=true with endingTime for the changes up to a time",
     ),
-    PeerName("maxOffsetsPerTrigger", "Kafka", "use maxRowsPerTrigger"),
+    PeerName("maxOffsetsPerTrigger", "Kafka", "use maxRowsPerTrigger", MAX_ROWS),
     PeerName("minOffsetsPerTrigger", "Kafka", "persist has no minimum: use maxRowsPerTrigger"),
-    PeerName("startingOffsetsByTimestamp", "Kafka", "use startingAsOf (a time)"),
-    PeerName("subscribe", "Kafka", "use shard (or .load(name))"),
+    PeerName("startingOffsetsByTimestamp", "Kafka", "use startingAsOf (a time)", STARTING_AS_OF),
+    PeerName("subscribe", "Kafka", "use shard (or .load(name))", SHARD),
     PeerName("subscribePattern", "Kafka", "a query reads one shard: use shard"),
     PeerName("assign", "Kafka", "a query reads one shard: use shard"),
-    PeerName("topic", "Kafka", "use shard (or .save(name))"),
-    PeerName("kafka.bootstrap.servers", "Kafka", "use blob and consensus (see Locations)"),
-    PeerName("versionAsOf", "Delta", "persist reads by time: use asOf (a time)"),
+    PeerName("topic", "Kafka", "use shard (or .save(name))", SHARD),
+    PeerName(
+        "kafka.bootstrap.servers",
+        "Kafka",
+        "use blob and consensus (docs/configuration.md: Locations)",
+        BLOB,
+    ),
+    PeerName("versionAsOf", "Delta", "persist reads by time: use asOf (a time)", AS_OF),
     PeerName(
         "ignoreChanges",
         "Delta",
@@ -178,8 +473,9 @@ PEER_NAMES: tuple[PeerName, ...] = (
         "Delta",
         "a shard's columns are only ever added (mergeSchema=true); for other columns write "
         "to a new shard",
+        MERGE_SCHEMA,
     ),
-    PeerName("maxFileAge", "Spark's file source", "use startingAsOf (a time)"),
+    PeerName("maxFileAge", "Spark's file source", "use startingAsOf (a time)", STARTING_AS_OF),
     PeerName("latestFirst", "Spark's file source", "persist reads in time order"),
 )
 """Peer names that get a "did you mean" naming persist's option (matched lower-cased)."""
@@ -212,6 +508,9 @@ class PersistOptions:
     blob: str
     consensus: str
     pubsub: str | None = None
+    pubsub_poll_ms: int = DEFAULT_PUBSUB_POLL_MS
+    """While PubSub delivers the shard, a streaming source reads Consensus at least this
+    often anyway (0: always): a push may be lost, and must not hide a commit for longer."""
     starting_position: Literal["earliest", "latest"] = "earliest"
     starting_as_of: int | None = None
     starting_time: int | None = None
@@ -299,6 +598,7 @@ class PersistOptions:
                 "one limit per micro-batch); set only one"
             )
         pubsub = opts.get(PUBSUB)
+        poll_ms = _int(opts, said, PUBSUB_POLL)
         writer_id = opts.get(WRITER_ID) or None
         txn_version = _int(opts, said, TXN_VERSION)
         if txn_version is not None and writer_id is None:
@@ -312,6 +612,7 @@ class PersistOptions:
             blob=_uri(opts, said, BLOB) or default_blob_uri(),
             consensus=_uri(opts, said, CONSENSUS) or default_consensus_uri(),
             pubsub=None if pubsub in (None, "", "off", "none") else pubsub,
+            pubsub_poll_ms=DEFAULT_PUBSUB_POLL_MS if poll_ms is None else poll_ms,
             starting_position="latest" if position == "latest" else "earliest",
             starting_as_of=starting_as_of,
             starting_time=starting_time,

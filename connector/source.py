@@ -125,7 +125,7 @@ def blob_for(uri: str) -> Blob:
 
 
 class PersistDataSource(DataSource):
-    """``spark.read/readStream/write/writeStream.format("persist")``. Options: see README."""
+    """``spark.read/readStream/write/writeStream.format("persist")`` (docs/spark-options.md)."""
 
     @classmethod
     def name(cls) -> str:

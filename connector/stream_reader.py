@@ -225,6 +225,8 @@ class LeaseHolder:
         self._figures: dict[int, dict[str, Any]] = {}  # end upper -> that batch's figures
         self._last_end: Offset | None = None
         self._waited_ms = 0.0
+        self._polled_ms: int | None = None
+        """The client's clock when :meth:`current_state` last read Consensus."""
         self.available_now_upper: int | None = None
 
     @property
@@ -234,11 +236,28 @@ class LeaseHolder:
 
     def current_state(self) -> ShardState:
         """The newest state: the cached one while PubSub delivers this shard (every push
-        was confirmed against Consensus), else read from Consensus now (PubSub off, broken,
-        or reconnecting: never staler than polling)."""
-        if self._opts.pubsub is not None and self.machine.shared.push_healthy:
-            return self.machine.state()
-        return self.machine.fetch_latest()
+        was confirmed against Consensus) and Consensus was read less than ``pubsubPollMs``
+        ago, else read from Consensus now (PubSub off, broken, or reconnecting: never
+        staler than polling).
+
+        A push is a hint, never the only way to learn of a commit: one may be lost (a full
+        send queue, a writer with PubSub off or on another server), and that commit must
+        not stay hidden until something else refreshes the cache. A clock that went back
+        counts as stale.
+        """
+        machine = self.machine
+        now = machine.clock_ms()
+        polled = self._polled_ms
+        if (
+            self._opts.pubsub is not None
+            and machine.shared.push_healthy
+            and polled is not None
+            and 0 <= now - polled < self._opts.pubsub_poll_ms
+        ):
+            return machine.state()
+        state = machine.fetch_latest()
+        self._polled_ms = now
+        return state
 
     def initial_offset(self) -> Offset:
         """Where a new query starts: before the snapshot, or at the upper for 'latest'."""
@@ -609,8 +628,9 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self.holder.report_latest()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """Trigger.AvailableNow: stop at the upper seen now."""
-        self.holder.available_now_upper = self.holder.current_state().upper
+        """Trigger.AvailableNow: stop at the upper Consensus holds now (read there, never
+        cached: a commit whose push was lost must not be left out of the run)."""
+        self.holder.available_now_upper = self.holder.machine.fetch_latest().upper
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         """Lease and split the parts between two offsets."""

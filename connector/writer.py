@@ -97,7 +97,7 @@ class SinkBatchMetrics:
     """The largest Arrow batch Spark handed a task, in rows: at most
     ``spark.sql.execution.arrow.maxRecordsPerBatch``. Below persist's ``read_batch_rows``
     (65,536) the tasks copied Spark's batches together; at it they stored them as they came
-    (README, "Bulk writes")."""
+    (docs/spark.md, "Bulk writes")."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,4 +1,4 @@
-"""PubSub: pushing committed state diffs between processes, so readers learn of writes at once.
+"""PubSub: announcing commits between processes, so readers learn of writes at once.
 
 The story
 ---------
@@ -8,18 +8,26 @@ written elsewhere learns of a change by *polling* Consensus: an idle
 listener queries it several times a second, and a write is seen a polling
 interval later.
 
-With PubSub, every successful compare-and-set also *pushes* its diff (the
-very bytes it stored as the new Consensus row) to the other processes that
-hold the shard. A push is a hint, never trusted on its own: anyone who can
-reach the server could forge, replay or reorder one. A process that receives
-a diff past the SeqNo it holds reads Consensus at once (one indexed scan of
-the rows after its SeqNo) and installs what Consensus holds into its one
-cached state per shard (:class:`~pyspark_persist.state.cache.SharedState`),
-waking its waiting listens: a reader sees a write about a millisecond after
-it committed, and an idle one stops querying Consensus (it polls every
-``listen_poll_pushed_s``, 5 s, as a safety net). A forged diff costs that
-process one read and changes nothing; a duplicate or old one is ignored; a
-lost one is found by the next push or the safety-net poll.
+With PubSub, every successful compare-and-set also *pushes* the shard's
+topic and its new SeqNo to the other processes that hold the shard. A push
+carries nothing else: not the diff, not a row, not a part key. A push is a
+hint, never trusted on its own (anyone who can reach the server could
+forge, replay or reorder one) and never the only way to learn of a commit
+(it may be dropped). A process that receives a SeqNo past the one it holds
+reads Consensus at once (one indexed scan of the rows after its SeqNo) and
+installs what Consensus holds into its one cached state per shard
+(:class:`~pyspark_persist.state.cache.SharedState`), waking its waiting
+listens: a reader sees a write about a millisecond after it committed, and
+an idle one queries Consensus far less often. A forged push costs that
+process one read and changes nothing; a duplicate or old one is ignored.
+
+Staleness is bounded whatever PubSub says: a push can be lost (a full send
+queue, a server restart, a writer with PubSub off or on another server), so
+every reader that trusts its cache while pushes look healthy still reads
+Consensus on a timer: an idle listen every ``listen_poll_pushed_s`` (5 s),
+a Spark source's ``latestOffset`` whenever its last read is older than
+``pubsubPollMs`` (1 s), and ``Trigger.AvailableNow``'s end always. A lost
+push delays a reader by at most that.
 
 PubSub is about latency and load only, never correctness. It is off by
 default; with it off, slow, broken or killed, every write still succeeds
@@ -27,12 +35,12 @@ default; with it off, slow, broken or killed, every write still succeeds
 cadence (a Spark source's ``latestOffset`` reads Consensus whenever the
 shard is not currently delivered), picking pushes up again when the
 connection comes back (it reconnects in the background). The server bounds
-what it holds for each subscriber, in messages and bytes, and drops one that
-falls behind; that subscriber reconnects and catches up from Consensus.
+what it holds for each subscriber and drops one that falls behind; that
+subscriber reconnects and catches up from Consensus.
 
 Inside one Python process nothing goes over the network: handles to one
-shard share one cached state and wake each other directly; a diff this
-process pushed is never sent back to it (the server skips the sender) and
+shard share one cached state and wake each other directly; a push this
+process sent is never sent back to it (the server skips the sender) and
 would be ignored as a duplicate if it were.
 
 Transports, all behind one entry point, :func:`connect`:
@@ -49,7 +57,10 @@ Transports, all behind one entry point, :func:`connect`:
 - ``"auto"``: nothing to run. On the embedded default (SQLite) the first
   process serves gRPC on loopback and advertises its address next to the
   data; the others find it there and one takes over if it dies
-  (:mod:`.auto`). On PostgreSQL it is LISTEN/NOTIFY; on ``mem://`` off.
+  (:mod:`.auto`). That server always requires a token, the location's own
+  (``pubsub.token`` beside the data, mode 0600) unless
+  ``$PERSIST_PUBSUB_TOKEN`` is set. On PostgreSQL it is LISTEN/NOTIFY; on
+  ``mem://`` off.
 - ``None`` / ``"off"``: no PubSub (polling only).
 
 Example (counters: pushed, applied_cleanly, fallback_polls, latency...):
@@ -58,7 +69,7 @@ Example (counters: pushed, applied_cleanly, fallback_polls, latency...):
 >>> client = pubsub.open_client(blob_uri, consensus_uri, pubsub="127.0.0.1:6879")
 >>> client.pubsub_metrics()
 
-Counters (:class:`PubSubMetrics`): diffs pushed, dropped, received,
+Counters (:class:`PubSubMetrics`): pushes sent, dropped, received,
 confirmed by Consensus (``applied_cleanly``), ``unconfirmed``, duplicates,
 approximate push-to-apply latency; ``PersistClient.pubsub_metrics()`` adds
 the listens' fallback polls.
@@ -66,6 +77,7 @@ the listens' fallback polls.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -77,6 +89,8 @@ from .metrics import PubSubMetrics
 if TYPE_CHECKING:
     from ..state.client import PersistClient
     from ..state.config import PersistConfig
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "127.0.0.1:6879"
 """Where ``persist pubsub serve`` listens unless told otherwise."""
@@ -149,11 +163,13 @@ def connect(
 
 
 def _auto(directory: str | None, consensus_uri: str, kind: str) -> DiffPublisher:
-    """``auto``: the server one process starts for the others honours the same security
-    settings as ``persist pubsub serve``, from the environment: ``$PERSIST_PUBSUB_TOKEN``
-    (required of every client, sent by every client) and ``$PERSIST_PUBSUB_TLS_CERT`` /
-    ``$PERSIST_PUBSUB_TLS_KEY`` (served over TLS; clients trust that certificate)."""
-    from .auto import AutoDiscovery, directory_for
+    """``auto``: the server one process starts for the others always requires a token:
+    ``$PERSIST_PUBSUB_TOKEN`` if set, else the location's own (``<dir>/pubsub.token``, mode
+    0600, see :func:`.auto.location_token`), sent by every client. It serves TLS with
+    ``$PERSIST_PUBSUB_TLS_CERT`` / ``$PERSIST_PUBSUB_TLS_KEY`` (clients trust that
+    certificate). A process that can neither read nor create the token file goes without
+    PubSub (it polls), with a warning."""
+    from .auto import AutoDiscovery, directory_for, location_token
 
     if directory is None:
         if kind == "postgresql":
@@ -166,6 +182,17 @@ def _auto(directory: str | None, consensus_uri: str, kind: str) -> DiffPublisher
     from .grpc_client import GrpcPublisher
 
     token = _env(TOKEN_ENV)
+    if token is None:
+        try:
+            token = location_token(directory)
+        except OSError as e:
+            log.warning(
+                "pubsub=auto: cannot read or create the PubSub token in %s (%s); polling "
+                "Consensus instead",
+                directory,
+                e.strerror or e,
+            )
+            return NoopPublisher()
     cert, key = read_tls_pair(_env(TLS_CERT_ENV), _env(TLS_KEY_ENV))
     discovery = AutoDiscovery(directory, token=token, tls_cert=cert, tls_key=key)
     return GrpcPublisher(discovery, consensus_uri, tls=cert is not None, tls_ca=cert, token=token)

@@ -15,6 +15,15 @@ with backoff, polling meanwhile.
 
 ``<dir>`` is the directory of the SQLite Consensus file (``$PERSIST_HOME``
 for the embedded default) unless given explicitly (``auto:/some/dir``).
+
+The server requires a token (gRPC metadata ``x-persist-token``) that only
+processes able to read the data can learn: ``$PERSIST_PUBSUB_TOKEN`` if set,
+else the location's own, 256 random bits in ``<dir>/pubsub.token`` (mode
+0600, made by the first process that needs it; :func:`location_token`). Any
+other local process that finds the advertised port gets UNAUTHENTICATED. A
+push carries no rows anyway (only a shard's topic and SeqNo), so the token
+guards what a subscriber could still learn: which shards exist and when
+they commit.
 """
 
 from __future__ import annotations
@@ -22,8 +31,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import secrets
 import threading
 
+from ..state.errors import InvalidUsage
 from ..state.registry import sqlite_file
 from .server import PubSubServer
 
@@ -31,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ADDR_FILE = "pubsub.addr"
 LOCK_FILE = "pubsub.lock"
+TOKEN_FILE = "pubsub.token"
 
 _lock = threading.Lock()
 _served: dict[str, tuple[PubSubServer, int]] = {}
@@ -50,18 +62,52 @@ def _close_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_close_locks_in_child)
 
 
+def location_token(directory: str) -> str:
+    """The token of ``directory``'s auto server, from ``<directory>/pubsub.token``, which the
+    first caller creates (mode 0600: readable by whoever owns the data beside it).
+
+    Created under a temporary name and linked into place, so a concurrent
+    caller either creates it or reads the whole of someone else's. Raises
+    OSError when the file can be neither read nor created (the caller then
+    goes without PubSub) and InvalidUsage when it holds no token.
+    """
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TOKEN_FILE)
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            try:
+                os.link(tmp, path)  # whole, since closed: nobody reads half a token
+            except FileExistsError:
+                pass  # another process made it first: use theirs
+        finally:
+            os.unlink(tmp)
+    with open(path, encoding="ascii") as f:
+        token = f.read().strip()
+    if not token:
+        raise InvalidUsage(
+            f"the PubSub token file {path} is empty: delete it (the next process makes a new "
+            "one) or write a token into it"
+        )
+    return token
+
+
 class AutoDiscovery:
     """Returns the address of this directory's PubSub server, serving it if nobody does.
 
-    A server this process starts requires ``token`` and serves TLS with
-    ``tls_cert``/``tls_key`` (PEM bytes) when given, as ``persist pubsub serve`` would.
+    A server this process starts requires ``token`` (see :func:`location_token`) and
+    serves TLS with ``tls_cert``/``tls_key`` (PEM bytes) when given, as
+    ``persist pubsub serve`` would.
     """
 
     def __init__(
         self,
         directory: str,
         *,
-        token: str | None = None,
+        token: str,
         tls_cert: bytes | None = None,
         tls_key: bytes | None = None,
     ) -> None:

@@ -1,10 +1,11 @@
 """The gRPC PubSub client: one stream to a server, connected lazily, reconnected with backoff.
 
-A write never waits for it: :meth:`push` appends to a bounded queue and
-returns; a background thread sends. When the queue is full the diff is
-dropped and counted (the readers will learn of it from Consensus), and a
-diff that waited longer than ``max_push_age_s`` (the server was away) is
-dropped at send time, since it would only make receivers read Consensus.
+A write never waits for it: :meth:`push` appends its push (topic and SeqNo)
+to a bounded queue and returns; a background thread sends. When the queue
+is full the push is dropped and counted (the readers learn of the commit by
+polling Consensus), and a push that waited longer than ``max_push_age_s``
+(the server was away) is dropped at send time, since it would only make
+receivers read Consensus.
 
 Subscriptions are sent on (re)connect and acknowledged by the server; a
 shard's :attr:`SharedState.push_healthy` is set from the acknowledgement
@@ -25,13 +26,10 @@ import grpc
 from . import persist_pubsub_pb2 as pb
 from . import persist_pubsub_pb2_grpc as pb_grpc
 from .metrics import PubSubCount
-from .server import KEEPALIVE_MIN_PING_INTERVAL_MS, MAX_MESSAGE_BYTES
+from .server import KEEPALIVE_MIN_PING_INTERVAL_MS
 from .subscriptions import BasePublisher
 
 log = logging.getLogger(__name__)
-
-MAX_PUSHED_DIFF_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
-"""Diffs larger than this are pushed empty (a SeqNo alone): the server's message limit."""
 
 CHANNEL_OPTIONS = [
     # At least the server's KEEPALIVE_MIN_PING_INTERVAL_MS, or it answers GOAWAY too_many_pings.
@@ -81,7 +79,7 @@ class GrpcPublisher(BasePublisher):
         self._reconnect_max_s = reconnect_max_s
         self._cv = threading.Condition()
         self._control: collections.deque[pb.ProtoPubSubMessage] = collections.deque()
-        self._diffs: collections.deque[tuple[float, pb.ProtoPubSubMessage]] = collections.deque()
+        self._pushes: collections.deque[tuple[float, pb.ProtoPubSubMessage]] = collections.deque()
         self._gen = 0
         self._connected = False
         self._call: grpc.Future | None = None
@@ -95,19 +93,15 @@ class GrpcPublisher(BasePublisher):
 
     # -- hooks -----------------------------------------------------------------------
 
-    def _on_push(self, topic: str, seqno: int, data: bytes, pushed_at_us: int) -> None:
-        if len(data) > MAX_PUSHED_DIFF_BYTES:
-            data = b""  # receivers read Consensus for it anyway; the server refuses large messages
+    def _on_push(self, topic: str, seqno: int, pushed_at_us: int) -> None:
         msg = pb.ProtoPubSubMessage(
-            push_diff=pb.ProtoPushDiff(
-                shard_id=topic, seqno=seqno, diff=data, pushed_at_us=pushed_at_us
-            )
+            push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=seqno, pushed_at_us=pushed_at_us)
         )
         with self._cv:
-            if len(self._diffs) >= self._queue_max:
+            if len(self._pushes) >= self._queue_max:
                 self._metrics.incr(PubSubCount.PUSH_DROPPED)
                 return
-            self._diffs.append((time.monotonic(), msg))
+            self._pushes.append((time.monotonic(), msg))
             self._cv.notify()
         self._ensure_started()
 
@@ -150,11 +144,11 @@ class GrpcPublisher(BasePublisher):
                 self._thread.start()
 
     def _requests(self, gen: int) -> Iterator[pb.ProtoPubSubMessage]:
-        """What this stream sends: control messages first, then diffs still worth sending."""
+        """What this stream sends: control messages first, then pushes still worth sending."""
         while True:
             with self._cv:
                 while (
-                    not self._control and not self._diffs and self._gen == gen and not self._closed
+                    not self._control and not self._pushes and self._gen == gen and not self._closed
                 ):
                     self._cv.wait(1.0)
                 if self._gen != gen or self._closed:
@@ -162,7 +156,7 @@ class GrpcPublisher(BasePublisher):
                 if self._control:
                     msg = self._control.popleft()
                 else:
-                    enqueued, msg = self._diffs.popleft()
+                    enqueued, msg = self._pushes.popleft()
                     if time.monotonic() - enqueued > self._max_push_age_s:
                         self._metrics.incr(PubSubCount.PUSH_DROPPED)
                         continue
@@ -210,7 +204,7 @@ class GrpcPublisher(BasePublisher):
                 kind = msg.WhichOneof("message")
                 if kind == "push_diff":
                     d = msg.push_diff
-                    self._deliver(d.shard_id, d.seqno, d.diff, d.pushed_at_us)
+                    self._deliver(d.shard_id, d.seqno, d.pushed_at_us)
                 elif kind == "subscribe":
                     if not acked:
                         acked = True

@@ -22,7 +22,6 @@ class PubSubCount(enum.Enum):
     UNCONFIRMED = "unconfirmed"
     DUPLICATES = "duplicates"
     NOT_SUBSCRIBED = "not_subscribed"
-    NOTIFIED = "notified"
     CONNECTS = "connects"
     DISCONNECTS = "disconnects"
 
@@ -36,24 +35,24 @@ class PubSubMetrics:
     """
 
     pushed: int = 0
-    """Diffs this process committed and queued for other processes."""
+    """Commits of this process announced (shard and SeqNo) to other processes."""
     push_dropped: int = 0
-    """Diffs not sent: the send queue was full or they waited too long (server slow or gone)."""
+    """Pushes not sent: the send queue was full or they waited too long (server slow or gone).
+    Receivers find those commits by their poll of Consensus (``listen_poll_pushed_s``,
+    ``pubsubPollMs``)."""
     sent: int = 0
-    """Diffs handed to the transport."""
+    """Pushes handed to the transport."""
     received: int = 0
-    """Diffs that arrived for a subscribed shard."""
+    """Pushes that arrived for a subscribed shard."""
     applied_cleanly: int = 0
-    """Received diffs past the cached SeqNo that Consensus confirmed: its rows were installed."""
+    """Received pushes past the cached SeqNo that Consensus confirmed: its rows were installed."""
     unconfirmed: int = 0
-    """Received diffs past the cached SeqNo that Consensus did not hold (forged, or the read
+    """Received pushes past the cached SeqNo that Consensus did not hold (forged, or the read
     failed): ignored."""
     duplicates: int = 0
-    """Received diffs already in the cached state (delivered twice, or seen in-process)."""
+    """Received pushes already in the cached state (delivered twice, or seen in-process)."""
     not_subscribed: int = 0
-    """Received diffs for a shard this process is not subscribed to (ignored)."""
-    notified: int = 0
-    """Notifications without the diff (too large for the transport), confirmed the same way."""
+    """Received pushes for a shard this process is not subscribed to (ignored)."""
     connects: int = 0
     """Times the transport connected (or reconnected)."""
     disconnects: int = 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14persist_pubsub.proto\x12\x0epersist.pubsub\"T\n\rProtoPushDiff\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\r\n\x05seqno\x18\x02 \x01(\x04\x12\x0c\n\x04\x64iff\x18\x03 \x01(\x0c\x12\x14\n\x0cpushed_at_us\x18\x04 \x01(\x04\"\x1f\n\x0eProtoSubscribe\x12\r\n\x05shard\x18\x01 \x01(\t\"!\n\x10ProtoUnsubscribe\x12\r\n\x05shard\x18\x01 \x01(\t\"\xc1\x01\n\x12ProtoPubSubMessage\x12\x32\n\tpush_diff\x18\x01 \x01(\x0b\x32\x1d.persist.pubsub.ProtoPushDiffH\x00\x12\x33\n\tsubscribe\x18\x02 \x01(\x0b\x32\x1e.persist.pubsub.ProtoSubscribeH\x00\x12\x37\n\x0bunsubscribe\x18\x03 \x01(\x0b\x32 .persist.pubsub.ProtoUnsubscribeH\x00\x42\t\n\x07message2j\n\x12ProtoPersistPubSub\x12T\n\x06PubSub\x12\".persist.pubsub.ProtoPubSubMessage\x1a\".persist.pubsub.ProtoPubSubMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14persist_pubsub.proto\x12\x0epersist.pubsub\"R\n\rProtoPushDiff\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\r\n\x05seqno\x18\x02 \x01(\x04\x12\x14\n\x0cpushed_at_us\x18\x04 \x01(\x04J\x04\x08\x03\x10\x04R\x04\x64iff\"\x1f\n\x0eProtoSubscribe\x12\r\n\x05shard\x18\x01 \x01(\t\"!\n\x10ProtoUnsubscribe\x12\r\n\x05shard\x18\x01 \x01(\t\"\xc1\x01\n\x12ProtoPubSubMessage\x12\x32\n\tpush_diff\x18\x01 \x01(\x0b\x32\x1d.persist.pubsub.ProtoPushDiffH\x00\x12\x33\n\tsubscribe\x18\x02 \x01(\x0b\x32\x1e.persist.pubsub.ProtoSubscribeH\x00\x12\x37\n\x0bunsubscribe\x18\x03 \x01(\x0b\x32 .persist.pubsub.ProtoUnsubscribeH\x00\x42\t\n\x07message2j\n\x12ProtoPersistPubSub\x12T\n\x06PubSub\x12\".persist.pubsub.ProtoPubSubMessage\x1a\".persist.pubsub.ProtoPubSubMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'persist_pubsub_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROTOPUSHDIFF']._serialized_start=40
-  _globals['_PROTOPUSHDIFF']._serialized_end=124
-  _globals['_PROTOSUBSCRIBE']._serialized_start=126
-  _globals['_PROTOSUBSCRIBE']._serialized_end=157
-  _globals['_PROTOUNSUBSCRIBE']._serialized_start=159
-  _globals['_PROTOUNSUBSCRIBE']._serialized_end=192
-  _globals['_PROTOPUBSUBMESSAGE']._serialized_start=195
-  _globals['_PROTOPUBSUBMESSAGE']._serialized_end=388
-  _globals['_PROTOPERSISTPUBSUB']._serialized_start=390
-  _globals['_PROTOPERSISTPUBSUB']._serialized_end=496
+  _globals['_PROTOPUSHDIFF']._serialized_end=122
+  _globals['_PROTOSUBSCRIBE']._serialized_start=124
+  _globals['_PROTOSUBSCRIBE']._serialized_end=155
+  _globals['_PROTOUNSUBSCRIBE']._serialized_start=157
+  _globals['_PROTOUNSUBSCRIBE']._serialized_end=190
+  _globals['_PROTOPUBSUBMESSAGE']._serialized_start=193
+  _globals['_PROTOPUBSUBMESSAGE']._serialized_end=386
+  _globals['_PROTOPERSISTPUBSUB']._serialized_start=388
+  _globals['_PROTOPERSISTPUBSUB']._serialized_end=494
 # @@protoc_insertion_point(module_scope)

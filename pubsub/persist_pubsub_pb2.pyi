@@ -7,16 +7,14 @@ from google.protobuf import message as _message
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProtoPushDiff(_message.Message):
-    __slots__ = ("shard_id", "seqno", "diff", "pushed_at_us")
+    __slots__ = ("shard_id", "seqno", "pushed_at_us")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQNO_FIELD_NUMBER: _ClassVar[int]
-    DIFF_FIELD_NUMBER: _ClassVar[int]
     PUSHED_AT_US_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     seqno: int
-    diff: bytes
     pushed_at_us: int
-    def __init__(self, shard_id: str | None = ..., seqno: int | None = ..., diff: bytes | None = ..., pushed_at_us: int | None = ...) -> None: ...
+    def __init__(self, shard_id: str | None = ..., seqno: int | None = ..., pushed_at_us: int | None = ...) -> None: ...
 
 class ProtoSubscribe(_message.Message):
     __slots__ = ("shard",)

@@ -1,13 +1,15 @@
 """PubSub over PostgreSQL LISTEN/NOTIFY: push freshness where Consensus already is PostgreSQL.
 
-Every committed diff is announced with ``NOTIFY`` on one channel per
-Consensus table (``persist_<table>``). The payload is one line::
+Every commit is announced with ``NOTIFY`` on one channel per Consensus table
+(``persist_<table>``). The payload is one line, and nothing of the diff::
 
-    <sender id> <topic> <seqno> <pushed-at µs> [<base64 diff>]
+    <sender id> <topic> <seqno> <pushed-at µs>
 
-The diff is left out when the payload would exceed NOTIFY's 8000-byte limit;
-a subscriber then reads the new rows from Consensus at once (still no
-polling while idle). Each publisher has two connections of its own: one
+A subscriber reads the new rows from Consensus at once (still no polling
+while idle). Every session of the database may LISTEN on any channel, so a
+payload must not reveal more than a shard's name and SeqNo (which any
+session that can read the Consensus table sees anyway). Each publisher has
+two connections of its own: one
 sends the queued notifications (writes never wait for it) and one listens on
 a background thread. A process ignores its own notifications (its shared
 state already has them), and every process ignores shards it does not hold.
@@ -15,7 +17,6 @@ state already has them), and every process ignores shards it does not hold.
 
 from __future__ import annotations
 
-import base64
 import collections
 import logging
 import random
@@ -30,9 +31,6 @@ from .metrics import PubSubCount
 from .subscriptions import BasePublisher
 
 log = logging.getLogger(__name__)
-
-MAX_PAYLOAD = 7900
-"""NOTIFY payloads must stay under 8000 bytes."""
 
 
 def pg_target(consensus_uri: str) -> tuple[str, str]:
@@ -81,10 +79,8 @@ class PostgresPublisher(BasePublisher):
 
     # -- hooks -----------------------------------------------------------------------
 
-    def _on_push(self, topic: str, seqno: int, data: bytes, pushed_at_us: int) -> None:
-        head = f"{self._sender_id} {topic} {seqno} {pushed_at_us}"
-        body = base64.b64encode(data).decode("ascii")
-        payload = f"{head} {body}" if len(head) + 1 + len(body) <= MAX_PAYLOAD else head
+    def _on_push(self, topic: str, seqno: int, pushed_at_us: int) -> None:
+        payload = f"{self._sender_id} {topic} {seqno} {pushed_at_us}"
         with self._cv:
             if len(self._outbox) >= self._queue_max:
                 self._metrics.incr(PubSubCount.PUSH_DROPPED)
@@ -194,9 +190,6 @@ class PostgresPublisher(BasePublisher):
             sender, topic, seqno, pushed_at = parts[0], parts[1], int(parts[2]), int(parts[3])
             if sender == self._sender_id:
                 return
-            if len(parts) > 4:
-                self._deliver(topic, seqno, base64.b64decode(parts[4]), pushed_at)
-            else:
-                self._notify_seqno(topic, seqno)
+            self._deliver(topic, seqno, pushed_at)
         except Exception as e:  # noqa: BLE001 - a malformed notification is ignored
             log.debug("pubsub postgres: ignoring notification %.80r: %s", payload, e)

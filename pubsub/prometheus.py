@@ -55,38 +55,38 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
         "persist_pubsub_diffs_received_total",
         "counter",
         "diffs_received",
-        "State diffs pushed to the server by writers.",
+        "Pushes (a shard's new SeqNo) sent to the server by writers.",
     ),
     (
         "persist_pubsub_diff_bytes_received_total",
         "counter",
         "bytes_received",
-        "Bytes of the state diffs pushed to the server.",
+        "Bytes of the push messages sent to the server.",
     ),
     (
         "persist_pubsub_diffs_forwarded_total",
         "counter",
         "diffs_forwarded",
-        "State diffs queued for a subscriber (one per subscriber of the shard).",
+        "Pushes queued for a subscriber (one per subscriber of the shard).",
     ),
     (
         "persist_pubsub_diff_bytes_forwarded_total",
         "counter",
         "bytes_forwarded",
-        "Bytes of the state diffs queued for subscribers.",
+        "Bytes of the push messages queued for subscribers.",
     ),
     (
         "persist_pubsub_slow_subscribers_dropped_total",
         "counter",
         "slow_subscribers_dropped",
-        "Diffs dropped because a subscriber fell too far behind; its stream was ended and it "
+        "Pushes dropped because a subscriber fell too far behind; its stream was ended and it "
         "catches up from Consensus.",
     ),
     (
         "persist_pubsub_queued_bytes",
         "gauge",
         "queued_bytes",
-        "Bytes of diffs waiting to be sent to subscribers now.",
+        "Bytes of messages waiting to be sent to subscribers now.",
     ),
     ("persist_pubsub_topics", "gauge", "topics", "Shards with at least one subscriber now."),
 )

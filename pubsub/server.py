@@ -1,27 +1,33 @@
-"""The PubSub server: forwards each pushed diff to the other connections subscribed to it.
+"""The PubSub server: forwards each push (a shard's new SeqNo) to the other connections
+subscribed to that shard.
 
 One bidirectional gRPC stream per client process (``ProtoPersistPubSub.PubSub``).
 The server keeps, per topic, the set of connections subscribed to it; a
 ``PushDiff`` goes to each of them except the sender, a ``Subscribe`` is
-registered and then sent back as the acknowledgement (every diff the server
+registered and then sent back as the acknowledgement (every push the server
 receives after that is forwarded).
 
+What is forwarded is a message the server builds from the push's topic,
+SeqNo and timestamp alone: nothing else a client sends reaches another
+client (an older client's diff bytes, field 3, are dropped here), so a
+subscriber learns which shards commit and when, never a row.
+
 Memory is bounded whatever the clients do. Each connection's outgoing queue
-holds at most ``CONNECTION_QUEUE_BYTES`` of diffs (and ``CONNECTION_QUEUE``
-messages): a subscriber that falls that far behind has its stream ended
-(it reconnects, resubscribes and catches up from Consensus, which is cheaper
-than an unbounded queue), and what was queued for it is freed at once. A
-message may be at most ``MAX_MESSAGE_BYTES``. When a connection ends, freed
-memory is handed back to the operating system.
+holds at most ``CONNECTION_QUEUE`` messages, each a few hundred bytes: a
+subscriber that falls that far behind has its stream ended (it reconnects,
+resubscribes and catches up from Consensus, which is cheaper than an
+unbounded queue), and what was queued for it is freed at once. A message
+may be at most ``MAX_MESSAGE_BYTES``. When a connection ends, freed memory
+is handed back to the operating system.
 
 Input is checked like every other entry point's: a message of no known
 kind, a topic that is not ``<16 hex digits>/<valid shard name>`` (empty, or
-a 1 MiB name) or a diff for SeqNo 0 ends the stream with INVALID_ARGUMENT.
+a 1 MiB name) or a push for SeqNo 0 ends the stream with INVALID_ARGUMENT.
 
 Run it with ``persist pubsub serve`` (or :func:`serve`); it binds
 ``127.0.0.1:6879`` unless told otherwise, and refuses a non-loopback
-address unless ``allow_remote`` is set: diffs reveal shard names and part
-keys, so exposing them is a decision. For a remote server, give it a TLS
+address unless ``allow_remote`` is set: pushes reveal shard names and when
+they commit, so exposing them is a decision. For a remote server, give it a TLS
 certificate and key (``tls_cert``/``tls_key``, PEM) and a shared ``token``
 that every client must send as gRPC metadata ``x-persist-token``; a stream
 without the right token is rejected (UNAUTHENTICATED) and counted in
@@ -62,10 +68,9 @@ TOKEN_ENV = "PERSIST_PUBSUB_TOKEN"
 """Environment variable both ``serve`` and clients read the shared token from."""
 CONNECTION_QUEUE = 4096
 """Messages waiting for one subscriber before its stream is ended as too slow."""
-CONNECTION_QUEUE_BYTES = 8 << 20
-"""Bytes of diffs waiting for one subscriber before its stream is ended as too slow."""
 MAX_MESSAGE_BYTES = 4 << 20
-"""The largest message a client may send (gRPC's default); clients push larger diffs empty."""
+"""The largest message a client may send (gRPC's default: what older clients that pushed
+diffs were built for; a push of this version is a few hundred bytes)."""
 KEEPALIVE_MIN_PING_INTERVAL_MS = 10_000
 """Pings closer together than this on an idle connection are strikes (gRPC then sends
 GOAWAY ``too_many_pings``): the client's keepalive interval must not be shorter."""
@@ -95,7 +100,7 @@ def check_topic(topic: str) -> str | None:
 
 
 class _Conn:
-    """One client stream: its outgoing queue (bounded in messages and bytes) and its topics."""
+    """One client stream: its outgoing queue (bounded in messages) and its topics."""
 
     __slots__ = ("queue", "queued_bytes", "topics", "peer", "ended", "error")
 
@@ -110,11 +115,11 @@ class _Conn:
         self.error: tuple[grpc.StatusCode, str] | None = None
 
     def offer(self, msg: pb.ProtoPubSubMessage, size: int = 0) -> bool:
-        """Queue ``msg`` (``size`` bytes of diff); if that overflows, end the stream at once
-        (the client catches up from Consensus) and free what was queued. False if dropped."""
+        """Queue ``msg`` (``size`` bytes); if that overflows, end the stream at once (the
+        client catches up from Consensus) and free what was queued. False if dropped."""
         if self.ended:
             return False
-        if self.queued_bytes + size > CONNECTION_QUEUE_BYTES or self.queue.full():
+        if self.queue.full():
             self.end(drop_queued=True)
             return False
         self.queue.put_nowait((msg, size))
@@ -156,7 +161,7 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
         """Every open stream (their queues are the server's ``queued_bytes``)."""
 
     def queued_bytes(self) -> int:
-        """Bytes of diffs waiting in every stream's queue now (callable from any thread)."""
+        """Bytes of messages waiting in every stream's queue now (callable from any thread)."""
         return sum(conn.queued_bytes for conn in list(self.conns))
 
     def topics(self) -> int:
@@ -230,12 +235,18 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
                 return f"push_diff: {problem}"
             if push.seqno < 1:
                 return "push_diff: seqno must be at least 1"
-            size = len(push.diff)
             counters["diffs_received"] += 1
-            counters["bytes_received"] += size
+            counters["bytes_received"] += msg.ByteSize()
+            # Forward only what a receiver needs, whatever else the sender put in the message.
+            forwarded = pb.ProtoPubSubMessage(
+                push_diff=pb.ProtoPushDiff(
+                    shard_id=push.shard_id, seqno=push.seqno, pushed_at_us=push.pushed_at_us
+                )
+            )
+            size = forwarded.ByteSize()
             for other in self._subs.get(push.shard_id, ()):
                 if other is not conn:
-                    if other.offer(msg, size):
+                    if other.offer(forwarded, size):
                         counters["diffs_forwarded"] += 1
                         counters["bytes_forwarded"] += size
                     else:

@@ -10,7 +10,8 @@ cache already does everything, so PubSub ignores them.
 :class:`~pyspark_persist.state.machine.DiffPublisher` seam (push, subscribe,
 unsubscribe) on top of three transport hooks, and turns what a transport
 receives into :meth:`SharedState.apply_pushed` calls (each a hint that makes
-the shard read Consensus), counting as it goes.
+the shard read Consensus), counting as it goes. A push is a topic and a
+SeqNo: nothing of the diff (let alone a row) is ever handed to a transport.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import threading
 import time
 
 from ..state.cache import SharedState
-from ..state.consensus import VersionedData
 from ..state.registry import consensus_kind
 from .metrics import PubSubCount, PubSubMetrics
 
@@ -78,8 +78,9 @@ class BasePublisher:
 
     # -- the DiffPublisher seam ------------------------------------------------------
 
-    def push(self, shard_id: str, diff: VersionedData) -> None:
-        """Queue ``diff`` for the other processes holding ``shard_id``; never blocks or raises."""
+    def push(self, shard_id: str, seqno: int) -> None:
+        """Tell the other processes holding ``shard_id`` that SeqNo ``seqno`` is committed;
+        never blocks or raises."""
         try:
             with self._lock:
                 topic = self._topic_of.get(shard_id)
@@ -88,7 +89,7 @@ class BasePublisher:
             if topic is None or self._closed:
                 return
             self._metrics.incr(PubSubCount.PUSHED)
-            self._on_push(topic, diff.seqno, diff.data, now_us())
+            self._on_push(topic, seqno, now_us())
         except Exception as e:  # noqa: BLE001 - PubSub must never fail a write
             log.debug("pubsub: push of %s failed: %s", shard_id, e)
 
@@ -149,7 +150,7 @@ class BasePublisher:
 
     # -- transport hooks -------------------------------------------------------------
 
-    def _on_push(self, topic: str, seqno: int, data: bytes, pushed_at_us: int) -> None:
+    def _on_push(self, topic: str, seqno: int, pushed_at_us: int) -> None:
         raise NotImplementedError
 
     def _on_subscribe(self, topic: str) -> None:
@@ -160,32 +161,26 @@ class BasePublisher:
 
     # -- what transports call --------------------------------------------------------
 
-    def _deliver(self, topic: str, seqno: int, data: bytes, pushed_at_us: int = 0) -> None:
-        """Apply a received diff to every state subscribed to ``topic``."""
+    def _deliver(self, topic: str, seqno: int, pushed_at_us: int = 0) -> None:
+        """Hand a received push (``topic`` reached ``seqno``) to every state subscribed to it."""
         with self._lock:
             subs = list(self._subs.get(topic, ()))
         if not subs:
             self._metrics.incr(PubSubCount.NOT_SUBSCRIBED)
             return
         self._metrics.incr(PubSubCount.RECEIVED)
-        row = VersionedData(seqno, data)
         for shared in subs:
             cached = shared.state
             if cached is None:
                 continue  # not loaded yet: the first read goes to Consensus anyway
             if seqno <= cached.seqno:
                 self._metrics.incr(PubSubCount.DUPLICATES)
-            elif shared.apply_pushed(row):
+            elif shared.apply_pushed(seqno):
                 self._metrics.incr(PubSubCount.APPLIED_CLEANLY)
                 if pushed_at_us:
                     self._metrics.record_latency((now_us() - pushed_at_us) / 1000.0)
             else:
                 self._metrics.incr(PubSubCount.UNCONFIRMED)
-
-    def _notify_seqno(self, topic: str, seqno: int) -> None:
-        """A diff at ``seqno`` exists but did not come with the message: confirm it the same way."""
-        self._metrics.incr(PubSubCount.NOTIFIED)
-        self._deliver(topic, seqno, b"")
 
     def _set_healthy(self, topic: str | None, healthy: bool) -> None:
         """Mark ``topic`` (None: every topic) as delivered by this transport, or not."""

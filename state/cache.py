@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 from . import retry
-from .consensus import VersionedData
 from .state import ShardState
 
 
@@ -87,7 +86,8 @@ class SharedState:
     def push_healthy(self) -> bool:
         """True while some PubSub transport is connected and subscribed to this shard.
 
-        Listens then poll Consensus only every ``listen_poll_pushed_s``.
+        Listens then poll Consensus only every ``listen_poll_pushed_s``, and a Spark
+        source only every ``pubsubPollMs``: a push may be lost, so neither trusts it longer.
         """
         return bool(self._push_sources)
 
@@ -119,22 +119,23 @@ class SharedState:
         this process has not seen and installs them (``Machine.fetch_latest``)."""
         self._read_consensus = read_consensus
 
-    def apply_pushed(self, row: VersionedData) -> bool:
-        """Take a diff pushed by another process as a hint; True iff Consensus confirmed it.
+    def apply_pushed(self, seqno: int) -> bool:
+        """Take another process's push (its commit reached ``seqno``) as a hint; True iff
+        Consensus confirmed it.
 
         Nothing received over PubSub is trusted on its own: a forged,
-        replayed or reordered diff must not change what a writer or reader
+        replayed or reordered push must not change what a writer or reader
         decides. So a push whose SeqNo is past the cached one makes this
         process read Consensus now (one indexed scan of the rows after the
         cached SeqNo, without retrying), and what Consensus holds is
         installed, however many rows that is. The push counts as confirmed
-        when Consensus has reached its SeqNo. Old and duplicate diffs (and any
-        diff before the state is first loaded) are ignored; a read that fails
+        when Consensus has reached its SeqNo. Old and duplicate pushes (and any
+        push before the state is first loaded) are ignored; a read that fails
         marks the state stale, so waiting listens poll Consensus themselves.
         """
         cached = self._state
         read_consensus = self._read_consensus
-        if cached is None or row.seqno <= cached.seqno:
+        if cached is None or seqno <= cached.seqno:
             return False
         if read_consensus is None:
             self.mark_stale()
@@ -145,7 +146,7 @@ class SharedState:
         except Exception:  # noqa: BLE001 - a push must never break the cache
             self.mark_stale()
             return False
-        return state.seqno >= row.seqno
+        return state.seqno >= seqno
 
 
 class StateCache:

@@ -208,7 +208,7 @@ class PersistClient:
         row = VersionedData(diff.to_seqno, encode(diff))
         res = self.consensus.compare_and_set(machine.shard_id, None, row)
         if isinstance(res, CaSCommitted):
-            self.publisher.push(machine.shard_id, row)
+            self.publisher.push(machine.shard_id, row.seqno)
         # Committed or lost the race to a concurrent creator: either way it exists now.
         return machine.fetch_latest()
 

@@ -44,7 +44,9 @@ class PersistConfig:
     listen_poll_max_s: float = 0.1
     """Longest delay between Consensus polls of an idle listen (the polling fallback)."""
     listen_poll_pushed_s: float = 5.0
-    """Delay between Consensus polls of an idle listen while PubSub delivers its shard."""
+    """Delay between Consensus polls of an idle listen while PubSub delivers its shard: how
+    late a listen may see a commit whose push was lost (a push is a hint, never the only way
+    a reader learns of a commit)."""
     read_batch_rows: int = 65536
     """Rows per Arrow batch when a reader streams a part."""
     reader_lease_s: float = 60.0

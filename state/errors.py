@@ -18,7 +18,7 @@ Losing a race is *not* an error: it is a returned value
 reader's :class:`pyspark_persist.state.commands.CriticalSince` with
 ``ok=False``, which carries the newer fencing token).
 
-Every class below is public and named in the README's Errors section. The
+Every class below is public and named on the docs' Errors page (``docs/errors.md``). The
 connector, PubSub and the tools raise these too, never bare ``ValueError``.
 """
 

@@ -7,7 +7,7 @@ unavailable store or an unknown outcome is retried (with jittered backoff)
 for idempotent commands, whose re-evaluation against fresher state answers
 whether the earlier attempt landed. After a success the new state goes into
 the process's :class:`~pyspark_persist.state.cache.SharedState` (waking
-in-process listeners) and the diff is pushed, best effort, to PubSub.
+in-process listeners) and its SeqNo is pushed, best effort, to PubSub.
 """
 
 from __future__ import annotations
@@ -40,19 +40,23 @@ _CONTENTION = retry.RetryPolicy(first_backoff_s=0.001, max_backoff_s=0.25)
 
 
 class DiffPublisher(Protocol):
-    """Where a committed diff is pushed for other processes (implemented by pubsub).
+    """Where a commit is announced to other processes (implemented by pubsub).
 
     The seam between the shard and :mod:`pyspark_persist.pubsub` (which this
     package never imports): the client subscribes each shard's
     :class:`SharedState` when it first uses the shard, and the publisher
-    feeds it diffs from other processes with :meth:`SharedState.apply_pushed`.
+    tells it of commits in other processes with :meth:`SharedState.apply_pushed`.
+    A push is the shard and the new SeqNo, nothing of the diff: a receiver
+    reads the diff from Consensus anyway, and the transport (a server any
+    local process may reach) never sees a row.
     """
 
-    def push(self, shard_id: str, diff: VersionedData) -> None:
-        """Send ``diff`` to subscribers of ``shard_id``; must never block or raise."""
+    def push(self, shard_id: str, seqno: int) -> None:
+        """Tell subscribers of ``shard_id`` that SeqNo ``seqno`` is committed; must never block
+        or raise."""
 
     def subscribe(self, shard_id: str, shared: SharedState, consensus_uri: str) -> None:
-        """Deliver diffs of ``shard_id`` (in ``consensus_uri``) into ``shared``; never raises."""
+        """Deliver pushes of ``shard_id`` (in ``consensus_uri``) into ``shared``; never raises."""
 
     def unsubscribe(self, shard_id: str) -> None:
         """Undo one :meth:`subscribe` of ``shard_id``; never raises."""
@@ -61,8 +65,8 @@ class DiffPublisher(Protocol):
 class NoopPublisher:
     """The publisher when PubSub is off: other processes learn of changes by polling."""
 
-    def push(self, shard_id: str, diff: VersionedData) -> None:
-        """Drop the diff."""
+    def push(self, shard_id: str, seqno: int) -> None:
+        """Tell nobody."""
 
     def subscribe(self, shard_id: str, shared: SharedState, consensus_uri: str) -> None:
         """Nothing to subscribe to."""
@@ -271,7 +275,7 @@ class Machine:
                 if isinstance(res, CaSCommitted):
                     self.metrics.incr(Count.COMMITS)
                     self.shared.update(remember_head(new_state, row))
-                    self.publisher.push(self.shard_id, row)
+                    self.publisher.push(self.shard_id, row.seqno)
                     self._maybe_rollup(new_state)
                     if self.on_commit is not None:
                         self.on_commit(self, new_state, state)

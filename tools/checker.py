@@ -227,8 +227,8 @@ class LossyBlob(UnreliableBlob):
 SABOTAGE = ("fresh_tokens", "lossy_blob", "delete_after_unknown")
 """Deliberate bugs the checker must detect: a writer that takes a new token per retry
 (duplicates after a lost reply), a Blob that loses acknowledged parts, and compaction's
-cleanup as it was before issue 13 (a refused merge deletes its parts even after a lost
-reply, when the merge may have landed and been merged again)."""
+cleanup as it once was (a refused merge deletes its parts even after a lost reply, when the
+merge may have landed and been merged again)."""
 
 
 @contextlib.contextmanager

@@ -456,7 +456,7 @@ def test_sink_metrics_show_the_arrow_batch_size_spark_hands_the_tasks(
 ) -> None:
     """``batch_rows`` in the sink's metrics is the largest Arrow batch a task received: what
     ``spark.sql.execution.arrow.maxRecordsPerBatch`` caps, so a user sees whether persist's
-    tasks copied Spark's batches together (README, "Bulk writes")."""
+    tasks copied Spark's batches together (docs/spark.md, "Bulk writes")."""
     source = str(tmp_path / "source")
     spark.range(0, 5000, numPartitions=1).write.parquet(source)
     shard, ckpt = _name("batch-rows"), str(tmp_path / "sink")

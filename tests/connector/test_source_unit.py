@@ -28,6 +28,7 @@ from source_helpers import SCHEMA, Row, merge_all, rows
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, Shard
+from pyspark_persist.state.cache import SharedState
 from pyspark_persist.state.errors import InvalidUsage
 from pyspark_persist.stream_reader import (
     DataLoss,
@@ -576,6 +577,120 @@ def test_latest_offset_waits_for_a_pubsub_commit_when_nothing_is_new(
     assert 0 < line["waited_ms"] < wait_s * 1000
     holder.close()
     client.close()
+
+
+class LostPushes:
+    """A PubSub transport that looks connected (the shard's pushes look healthy) but delivers
+    no push: every commit of another process is one whose push was lost (a full send queue,
+    a writer with PubSub off or on another server)."""
+
+    def push(self, shard_id: str, seqno: int) -> None:
+        """Sends nothing."""
+
+    def subscribe(self, shard_id: str, shared: SharedState, consensus_uri: str) -> None:
+        """Acknowledged at once, and never heard from again."""
+        shared.set_push_healthy(self, True)
+
+    def unsubscribe(self, shard_id: str) -> None:
+        """Nothing to undo."""
+
+
+PUBSUB = "127.0.0.1:6879"
+
+
+def reader_with_lost_pushes(env: Env, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make ``env``'s streaming reads with ``pubsub`` set use a client of their own (their own
+    cached state, as in another process) whose pushes look healthy but never arrive, on a
+    clock the test moves; return that clock (epoch ms in a one-element list)."""
+    import time
+
+    from pyspark_persist import source
+    from pyspark_persist.state.blob import open_blob
+    from pyspark_persist.state.cache import StateCache
+    from pyspark_persist.state.consensus import open_consensus
+
+    clock = [time.time_ns() // 1_000_000]
+    client = PersistClient(
+        open_blob(env.base["blob"]),
+        open_consensus(env.base["consensus"]),
+        publisher=LostPushes(),
+        cache=StateCache(),
+        clock_ms=lambda: clock[0],
+    )
+    monkeypatch.setitem(source._clients, (env.base["blob"], env.base["consensus"], PUBSUB), client)
+    return clock
+
+
+def test_latest_offset_sees_a_commit_whose_push_was_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With pubsub set and pushes looking healthy, latestOffset may answer from its cache for
+    at most pubsubPollMs: a commit whose push never arrives is in the next micro-batch planned
+    after that, not hidden until something else refreshes the cache.
+
+    Regression: the cache was trusted for as long as pushes looked healthy, so such a commit
+    stayed invisible until the reader's heartbeat (10 s) happened to refresh it."""
+    env = Env()
+    env.write(rows(range(3)))
+    clock = reader_with_lost_pushes(env, monkeypatch)
+    reader = env.reader(pubsub=PUBSUB, startingPosition="latest")
+    start = reader.initialOffset()
+    assert reader.holder.machine.shared.push_healthy
+
+    env.write(rows(range(3, 5)))  # another process's commit; its push is lost
+    assert reader.latestOffset(start, ReadAllAvailable()) == start  # cached, within 1 s
+    clock[0] += 1000  # pubsubPollMs (default 1 s) later: Consensus is read again
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert Offset.from_dict(end, env.base["shard"]).upper == env.shard.upper
+    assert sorted(r["id"] for r in read_all(reader, reader.partitions(start, end))) == [3, 4]
+    reader.stop()
+
+
+def test_pubsub_poll_ms_bounds_how_long_a_cached_answer_stands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pubsubPollMs sets the bound: 0 reads Consensus for every latestOffset, 250 after
+    250 ms of the client's clock."""
+    env = Env()
+    env.write(rows(range(3)))
+    clock = reader_with_lost_pushes(env, monkeypatch)
+    always = env.reader(pubsub=PUBSUB, startingPosition="latest", pubsubPollMs="0")
+    start = always.initialOffset()
+    env.write(rows(range(3, 5)))
+    assert (
+        Offset.from_dict(always.latestOffset(start, ReadAllAvailable()), env.base["shard"]).upper
+        == env.shard.upper
+    )
+    always.stop()
+
+    quarter = env.reader(pubsub=PUBSUB, startingPosition="latest", pubsubPollMs="250")
+    start = quarter.initialOffset()
+    env.write(rows(range(5, 7)))
+    clock[0] += 249
+    assert quarter.latestOffset(start, ReadAllAvailable()) == start
+    clock[0] += 1
+    end = quarter.latestOffset(start, ReadAllAvailable())
+    assert Offset.from_dict(end, env.base["shard"]).upper == env.shard.upper
+    quarter.stop()
+
+
+def test_available_now_end_reads_consensus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trigger.AvailableNow ends at the upper Consensus holds when it is prepared, even while
+    pushes look healthy and the cache was just read: a commit whose push was lost is in the
+    run.
+
+    Regression: the end came from the cache, so such a commit was left for the next run."""
+    env = Env()
+    env.write(rows(range(3)))
+    reader_with_lost_pushes(env, monkeypatch)
+    reader = env.reader(pubsub=PUBSUB)
+    start = reader.initialOffset()
+    env.write(rows(range(3, 5)))  # another process's commit; its push is lost
+    reader.prepareForTriggerAvailableNow()
+    end, batches = drain(reader, start)
+    assert Offset.from_dict(end, env.base["shard"]).upper == env.shard.upper
+    assert consolidated([r for b in batches for r in b]) == snapshot(env)
+    reader.stop()
 
 
 def test_unknown_shard_is_a_clear_error() -> None:

@@ -1,10 +1,10 @@
 """Every job in ``examples/`` runs as documented, on the embedded default, and says it worked.
 
-Each example is run exactly as the README shows (``spark-submit
-examples/NAME.py ...``; the Spark-free quickstart with ``python``) on small
-sizes, with ``$PERSIST_HOME`` pointing at a fresh directory, and its
+Each example is run exactly as the docs' Examples page (``docs/examples.md``)
+shows (``spark-submit examples/NAME.py ...``; the Spark-free quickstart with
+``python``) on small sizes, with ``$PERSIST_HOME`` pointing at a fresh directory, and its
 printed verdict is checked. The Spark jobs run one after another (each
-starts a JVM), in the order the README tells them: the rate job writes the
+starts a JVM), in the order that page tells them: the rate job writes the
 shard that the tail and the batch export then read. Their driver JVMs get the
 test run's quick-start options (``jvm_fixtures``): how the JVM loads classes,
 nothing an example sees.
@@ -125,7 +125,7 @@ def rates(submit: list[str], home: Path) -> int:
     )
     assert m is not None, proc.stdout
     assert m.group(3) == "True" and int(m.group(1)) == int(m.group(2)) > 0
-    # The progress lines the README shows (spark-submit sends the driver's stderr to stdout).
+    # The progress lines the Examples page shows (spark-submit sends the driver's stderr to stdout).
     assert "[sink] micro-batch" in proc.stdout + proc.stderr
     return int(m.group(1))
 

@@ -3,7 +3,7 @@
 The application (``jobs/cluster_job.py``) runs under ``spark-submit --master
 local-cluster[2,1,1024]``: a standalone master and two workers, each worker
 launching its executor as a separate JVM, as on a real cluster. It is set up
-the way the README's "Running on a cluster" section says:
+the way the docs' "Running on a cluster" page (``docs/cluster.md``) says:
 
 - Blob on an S3-compatible endpoint (moto's server on loopback), Consensus on
   PostgreSQL;

@@ -29,8 +29,8 @@ from pyspark_persist.pubsub.subscriptions import BasePublisher
 from pyspark_persist.state import Committed, PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
-from pyspark_persist.state.consensus import VersionedData, open_consensus
-from pyspark_persist.state.diff import DiffBuilder, encode, full_diff
+from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.state.diff import encode, full_diff
 from pyspark_persist.state.machine import DiffPublisher
 from pyspark_persist.state.state import ShardState
 
@@ -284,10 +284,10 @@ class Recorder:
     """A publisher that keeps what it is given (to replay it in any order)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, VersionedData]] = []
+        self.pushes: list[tuple[str, int]] = []
 
-    def push(self, shard_id: str, diff: VersionedData) -> None:
-        self.rows.append((shard_id, diff))
+    def push(self, shard_id: str, seqno: int) -> None:
+        self.pushes.append((shard_id, seqno))
 
     def subscribe(self, shard_id: str, shared: object, consensus_uri: str) -> None:
         pass
@@ -299,7 +299,7 @@ class Recorder:
 class Injector(BasePublisher):
     """A publisher whose 'transport' is the test calling ``inject``."""
 
-    def _on_push(self, topic: str, seqno: int, data: bytes, pushed_at_us: int) -> None:
+    def _on_push(self, topic: str, seqno: int, pushed_at_us: int) -> None:
         pass
 
     def _on_subscribe(self, topic: str) -> None:
@@ -308,20 +308,14 @@ class Injector(BasePublisher):
     def _on_unsubscribe(self, topic: str) -> None:
         pass
 
-    def inject(self, shard_id: str, diff: VersionedData) -> None:
+    def inject(self, shard_id: str, seqno: int) -> None:
         with self._lock:
             topic = self._topic_of.get(shard_id, f"nobody/{shard_id}")
-        self._deliver(topic, diff.seqno, diff.data)
-
-
-def forged_diff(state: ShardState, upper: int | None = None) -> VersionedData:
-    """A well-formed diff to ``state.seqno + 1`` that no writer ever committed."""
-    diff = DiffBuilder(state).set(upper=upper).build()
-    return VersionedData(diff.to_seqno, encode(diff))
+        self._deliver(topic, seqno)
 
 
 def test_forged_replayed_and_reordered_pushes_change_nothing(uris: tuple[str, str]) -> None:
-    """Pushes are hints: a forged diff is never installed, a reordered one makes the reader
+    """Pushes are hints: a forged SeqNo installs nothing, a reordered one makes the reader
     read Consensus, a replayed one is ignored; the state always equals Consensus's, and a
     writer in the process that received the forgeries commits at once."""
     recorder = Recorder()
@@ -336,37 +330,36 @@ def test_forged_replayed_and_reordered_pushes_change_nothing(uris: tuple[str, st
         start = shared.state
         assert start is not None and shared.push_healthy
 
-        # Forged: well-formed diffs for the next SeqNo, which Consensus does not hold.
-        injector.inject("a", forged_diff(start, upper=start.upper + 10**9))
-        injector.inject("a", forged_diff(start))  # the empty diff that stalled writers
-        injector.inject("a", VersionedData(start.seqno + 1, b"PSD\x01garbage"))
+        # Forged: SeqNos past the head, which Consensus does not hold.
+        injector.inject("a", start.seqno + 1)
+        injector.inject("a", start.seqno + 10**9)
+        injector.inject("a", 2**64 - 1)
         assert shared.state is start
         assert rc.pubsub_metrics()["unconfirmed"] == 3
 
-        recorder.rows.clear()
+        recorder.pushes.clear()
         w = wshard.writer()
         for i in range(4):
             w.append(row(i))
-        rows = [r for s, r in recorder.rows if s == "a"]
-        assert [r.seqno for r in rows] == [start.seqno + k for k in range(1, 5)]
-        # Reordered: the last diff first. The reader reads Consensus and is exact at once.
-        injector.inject("a", rows[-1])
+        seqnos = [n for s, n in recorder.pushes if s == "a"]
+        assert seqnos == [start.seqno + k for k in range(1, 5)]
+        # Reordered: the last push first. The reader reads Consensus and is exact at once.
+        injector.inject("a", seqnos[-1])
         assert state_bytes(shared.state) == state_bytes(wshard.machine.shared.state)
         # Replayed, and forged over SeqNos already held: ignored.
-        for r in rows:
-            injector.inject("a", r)
-        injector.inject("a", forged_diff(start, upper=1))
+        for n in seqnos:
+            injector.inject("a", n)
+        injector.inject("a", 1)
         assert state_bytes(shared.state) == state_bytes(wshard.machine.shared.state)
-        # A diff of another shard's topic changes nothing here.
-        b_rows = [r for s, r in recorder.rows if s == "b"]
-        injector.inject("b", VersionedData(rows[-1].seqno + 1, b_rows[0].data if b_rows else b"x"))
+        # A push of another shard's topic changes nothing here.
+        injector.inject("b", seqnos[-1] + 1)
         m = rc.pubsub_metrics()
         assert m["applied_cleanly"] == 1 and m["duplicates"] >= 4 and m["not_subscribed"] == 1
 
         # The receiving process writes and reads as if nothing had been pushed at all.
         current = shared.state
         assert current is not None
-        injector.inject("a", forged_diff(current))
+        injector.inject("a", current.seqno + 1)
         t0 = time.monotonic()
         assert isinstance(rshard.writer().append(row(50)), Committed)
         assert time.monotonic() - t0 < 5.0, "a forged push stalled the writer"
@@ -383,9 +376,9 @@ def test_forged_replayed_and_reordered_pushes_change_nothing(uris: tuple[str, st
 def test_forged_pushes_through_the_server_leave_writers_and_readers_exact(
     uris: tuple[str, str], server: PubSubServer
 ) -> None:
-    """Any local client may push to an open server: a stream of forged next-SeqNo diffs
-    (empty, or moving the upper) neither stalls a subscribed writer nor shows a reader
-    anything Consensus does not hold."""
+    """Any local client may push to an open server: a stream of forged SeqNos (the next one,
+    or far ahead) neither stalls a subscribed writer nor shows a reader anything Consensus
+    does not hold."""
     import grpc
 
     from pyspark_persist.pubsub import persist_pubsub_pb2 as pb
@@ -404,12 +397,9 @@ def test_forged_pushes_through_the_server_leave_writers_and_readers_exact(
         for i in range(1, 4):
             state = shared.state
             assert state is not None
-            forged = [forged_diff(state), forged_diff(state, upper=state.upper + 10**9)]
             msgs = [
-                pb.ProtoPubSubMessage(
-                    push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=f.seqno, diff=f.data)
-                )
-                for f in forged
+                pb.ProtoPubSubMessage(push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=n))
+                for n in (state.seqno + 1, state.seqno + 10**9)
             ]
             want = server.counters["diffs_forwarded"] + 2
             with grpc.insecure_channel(server.address) as ch:
@@ -489,9 +479,7 @@ def test_broken_server_messages_do_not_hurt(uris: tuple[str, str], server: PubSu
         topic = pub.topics()[0]  # type: ignore[attr-defined]
         seqno = shared.state.seqno  # type: ignore[union-attr]
         junk = [
-            pb.ProtoPubSubMessage(
-                push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=seqno + k, diff=b"x" * k)
-            )
+            pb.ProtoPubSubMessage(push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=seqno + k))
             for k in (1, 2, 0)
         ]
         with grpc.insecure_channel(server.address) as ch:
@@ -511,10 +499,8 @@ def test_broken_server_messages_do_not_hurt(uris: tuple[str, str], server: PubSu
 
 
 @pytest.mark.postgres
-def test_postgres_listen_notify(
-    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """LISTEN/NOTIFY carries diffs between clients; a diff too big for NOTIFY sends the SeqNo."""
+def test_postgres_listen_notify(postgres_url: str, tmp_path: Path) -> None:
+    """LISTEN/NOTIFY carries pushes between clients: a shard's topic and SeqNo, no rows."""
     from pyspark_persist.pubsub import postgres
 
     uris = (f"file://{tmp_path}/blob", postgres_url)
@@ -538,13 +524,6 @@ def test_postgres_listen_notify(
         confirmed = rc.pubsub_metrics()["applied_cleanly"]
         assert 1 <= confirmed <= 5
         assert rc.metrics.snapshot()["consensus_fetches"] == fetches + confirmed
-
-        monkeypatch.setattr(postgres, "MAX_PAYLOAD", 60)  # every diff is now "too big"
-        for i in range(6, 9):
-            w.append(row(i))
-        assert collect(listen, {6, 7, 8}, reader) == {6, 7, 8}
-        assert rc.pubsub_metrics()["notified"] >= 1
-        assert rc.pubsub_metrics()["fallback_polls"] <= 6
     finally:
         for c in (wc, rc):
             c.close()
@@ -560,7 +539,7 @@ def test_auto_mode_finds_the_server_and_takes_over(tmp_path: Path, uris: tuple[s
     child = spawn_child(tmp_path, uris, "auto", "auto", 0, mode="hold")  # serves
     directory = str(tmp_path)
     try:
-        discovery = auto.AutoDiscovery(directory)
+        discovery = auto.AutoDiscovery(directory, token=auto.location_token(directory))
         child_addr = discovery.read_address()
         assert child_addr is not None
         pub = pubsub.connect("auto", uris[1])
@@ -609,3 +588,131 @@ def test_connect_specs(uris: tuple[str, str]) -> None:
     for bad in ("nonsense", "host:notaport", "postgres"):
         with pytest.raises(InvalidUsage):
             pubsub.connect(bad, uris[1])
+
+
+def _subscriber(address: str, topic: str) -> tuple[Iterator[object], Callable[[], None]]:
+    """A raw stream subscribed to ``topic`` (any local process that knows it): its messages
+    after the acknowledgement, and a function that ends it."""
+    import threading
+
+    import grpc
+
+    from pyspark_persist.pubsub import persist_pubsub_pb2 as pb
+    from pyspark_persist.pubsub import persist_pubsub_pb2_grpc as pb_grpc
+
+    leave = threading.Event()
+
+    def requests() -> Iterator[pb.ProtoPubSubMessage]:
+        yield pb.ProtoPubSubMessage(subscribe=pb.ProtoSubscribe(shard=topic))
+        leave.wait(30)
+
+    channel = grpc.insecure_channel(address)
+    call = pb_grpc.ProtoPersistPubSubStub(channel).PubSub(requests(), timeout=30)
+    assert next(call).WhichOneof("message") == "subscribe"
+
+    def end() -> None:
+        leave.set()
+        call.cancel()
+        channel.close()
+
+    return call, end
+
+
+def test_push_carries_no_row_data(uris: tuple[str, str], server: PubSubServer) -> None:
+    """A subscriber of a shard's topic, without any right to the data, learns only which
+    SeqNo each commit reached: not a byte of the rows, though small writes keep their rows
+    inline in the state diff. A reader still gets every row, from Consensus.
+
+    Regression: each push carried the whole diff, inline row values included."""
+    from pyspark_persist.pubsub.subscriptions import location_key, make_topic
+
+    secret_schema = pa.schema([("id", pa.int64()), ("card", pa.string())])
+    secret = "4111-1111-" + uuid.uuid4().hex
+    location = location_key(uris[1])
+    assert location is not None
+    snoop, end = _subscriber(server.address, make_topic(location, "cards"))
+    writer_pub = pubsub.connect(server.address, uris[1])
+    reader_pub = pubsub.connect(server.address, uris[1])
+    wc, rc = make_client(uris, writer_pub), make_client(uris, reader_pub)
+    try:
+        shard = wc.open_shard("cards", secret_schema)
+        wait_until(lambda: shard.machine.shared.push_healthy, what="the writer's stream")
+        rshard = rc.open_shard("cards")
+        wait_until(lambda: rshard.machine.shared.push_healthy, what="the reader's stream")
+        writer = shard.writer()
+        for i in range(3):
+            table = pa.table({"id": [i], "card": [f"{secret}-{i}"]}, schema=secret_schema)
+            writer.append(table)
+        head = shard.machine.shared.state.seqno  # type: ignore[union-attr]
+        pushes = [next(snoop)]  # the shard's creation, then each write
+        while pushes[-1].push_diff.seqno < head:  # type: ignore[attr-defined]
+            pushes.append(next(snoop))
+        seqnos = [m.push_diff.seqno for m in pushes]  # type: ignore[attr-defined]
+        assert seqnos[-3:] == [head - 2, head - 1, head]
+        for m in pushes:
+            fields = {f.name for f, _ in m.push_diff.ListFields()}  # type: ignore[attr-defined]
+            assert fields <= {"shard_id", "seqno", "pushed_at_us"}, fields
+            wire = m.SerializeToString()  # type: ignore[attr-defined]
+            assert secret.encode() not in wire and len(wire) < 128, wire
+        assert server.counters["bytes_received"] < len(pushes) * 128
+        wait_until(lambda: rshard.machine.shared.state.upper >= shard.upper, what="the push")  # type: ignore[union-attr]
+        got = rshard.reader().snapshot_table().column("card").to_pylist()
+        assert sorted(got) == [f"{secret}-{i}" for i in range(3)]
+    finally:
+        end()
+        for c in (wc, rc):
+            c.close()
+            c.publisher.close()  # type: ignore[attr-defined]
+
+
+def test_the_server_forwards_nothing_but_topic_and_seqno_of_an_older_client_s_push(
+    server: PubSubServer,
+) -> None:
+    """A client of an older version still sends the diff (field 3 of a push): the server
+    forwards the topic, SeqNo and timestamp of it and drops the rest."""
+    import grpc
+
+    from pyspark_persist.pubsub import persist_pubsub_pb2 as pb
+    from pyspark_persist.pubsub import persist_pubsub_pb2_grpc as pb_grpc
+
+    topic = "0123456789abcdef/old"
+    diff = b"inline row: " + uuid.uuid4().hex.encode()
+    push = pb.ProtoPushDiff(shard_id=topic, seqno=7, pushed_at_us=5).SerializeToString()
+    push += b"\x1a" + bytes([len(diff)]) + diff  # field 3 (bytes), as older clients sent it
+    old = pb.ProtoPubSubMessage.FromString(b"\x0a" + bytes([len(push)]) + push)
+    assert diff in old.SerializeToString()
+    snoop, end = _subscriber(server.address, topic)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            for _ in pb_grpc.ProtoPersistPubSubStub(ch).PubSub(iter([old]), timeout=10):
+                pass
+        got = next(snoop)
+        assert (got.push_diff.shard_id, got.push_diff.seqno, got.push_diff.pushed_at_us) == (  # type: ignore[attr-defined]
+            topic,
+            7,
+            5,
+        )
+        assert diff not in got.SerializeToString()  # type: ignore[attr-defined]
+    finally:
+        end()
+
+
+def test_a_listen_finds_a_commit_whose_push_was_lost_by_its_poll(uris: tuple[str, str]) -> None:
+    """While pushes look healthy a waiting listen still reads Consensus every
+    ``listen_poll_pushed_s`` (5 s by default): a commit whose push was lost shows up then."""
+    injector = Injector()  # acknowledges the subscription, delivers nothing unless told
+    config = PersistConfig(maintenance=False, listen_poll_pushed_s=0.05)
+    wc, rc = make_client(uris, None), make_client(uris, injector, config)
+    try:
+        w = wc.open_shard("lost", SCHEMA).writer()
+        w.append(row(0))
+        rshard = rc.open_shard("lost")
+        assert rshard.machine.shared.push_healthy
+        reader = rshard.reader()
+        listen = reader.listen(reader.latest_as_of())
+        w.append(row(1))  # its push never comes
+        assert collect(listen, {1}, reader) == {1}
+        assert rc.pubsub_metrics()["fallback_polls"] >= 1 and rc.pubsub_metrics()["received"] == 0
+    finally:
+        wc.close()
+        rc.close()

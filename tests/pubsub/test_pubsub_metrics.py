@@ -1,5 +1,5 @@
 """``persist pubsub serve --metrics-port``: Prometheus' text format over HTTP on loopback, and
-the counters move as clients connect, push, fall behind and leave.
+the counters move as clients connect, push and leave.
 
 The server runs as the command an operator starts; the test scrapes it the way Prometheus
 does (``GET /metrics``) and drives it with raw gRPC streams, so each step's effect is known
@@ -25,14 +25,11 @@ from pyspark_persist.pubsub.prometheus import CONTENT_TYPE, METRICS, MetricsEndp
 from pyspark_persist.pubsub.server import PubSubServer
 from pyspark_persist.state.errors import InvalidUsage
 
-MiB = 1 << 20
 SAMPLE = re.compile(r"^(?P<name>[a-z_]+) (?P<value>\d+)$")
 
 
-def push(topic: str, seqno: int, size: int) -> pb.ProtoPubSubMessage:
-    return pb.ProtoPubSubMessage(
-        push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=seqno, diff=b"d" * size)
-    )
+def push(topic: str, seqno: int) -> pb.ProtoPubSubMessage:
+    return pb.ProtoPubSubMessage(push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=seqno))
 
 
 def subscribe(topic: str) -> pb.ProtoPubSubMessage:
@@ -83,7 +80,7 @@ def served() -> Iterator[tuple[str, str]]:
     assert stderr == "", "scrapes and clients are not logged"
 
 
-def test_metrics_move_with_connections_pushes_and_slow_subscribers(
+def test_metrics_move_with_connections_and_pushes(
     served: tuple[str, str],
 ) -> None:
     address, url = served
@@ -91,7 +88,7 @@ def test_metrics_move_with_connections_pushes_and_slow_subscribers(
     assert set(before) == {name for name, _, _, _ in METRICS}
     assert all(value == 0 for value in before.values()), before
 
-    # A subscriber that reads, and a pusher of 3 diffs of 100 bytes to its topic.
+    # A subscriber that reads, a subscriber that never does, and a pusher of 3 pushes.
     fast_topic, slow_topic = "0123456789abcdef/fast", "0123456789abcdef/slow"
     leave = threading.Event()
 
@@ -106,28 +103,21 @@ def test_metrics_move_with_connections_pushes_and_slow_subscribers(
         assert next(slow).WhichOneof("message") == "subscribe"  # and never read again
         with grpc.insecure_channel(address) as ch:
             pusher = pb_grpc.ProtoPersistPubSubStub(ch)
-            list(pusher.PubSub(iter([push(fast_topic, i, 100) for i in (1, 2, 3)]), timeout=30))
+            pushes = [push(fast_topic, i) for i in (1, 2, 3)]
+            list(pusher.PubSub(iter(pushes), timeout=30))
         assert [next(fast).push_diff.seqno for _ in range(3)] == [1, 2, 3]
+        pushed_bytes = sum(m.ByteSize() for m in pushes)
         during = scrape(url)
         assert during["persist_pubsub_connections"] == 2  # the pusher has gone
         assert during["persist_pubsub_connections_total"] == 3
         assert during["persist_pubsub_topics"] == 2
         assert during["persist_pubsub_diffs_received_total"] == 3
-        assert during["persist_pubsub_diff_bytes_received_total"] == 300
+        assert during["persist_pubsub_diff_bytes_received_total"] == pushed_bytes
         assert during["persist_pubsub_diffs_forwarded_total"] == 3
-        assert during["persist_pubsub_diff_bytes_forwarded_total"] == 300
+        assert during["persist_pubsub_diff_bytes_forwarded_total"] == pushed_bytes
         assert during["persist_pubsub_slow_subscribers_dropped_total"] == 0
-
-        # 32 MiB to the subscriber that does not read: more than its 8 MiB queue and what
-        # gRPC's flow-control windows hold, so the server ends its stream and frees the queue.
-        with grpc.insecure_channel(address) as ch:
-            pusher = pb_grpc.ProtoPersistPubSubStub(ch)
-            list(pusher.PubSub((push(slow_topic, i, MiB) for i in range(1, 33)), timeout=60))
-        after = scrape(url)
-        assert after["persist_pubsub_diffs_received_total"] == 35
-        assert after["persist_pubsub_diff_bytes_received_total"] == 300 + 32 * MiB
-        assert after["persist_pubsub_slow_subscribers_dropped_total"] >= 1
-        assert after["persist_pubsub_queued_bytes"] < 8 * MiB
+        # (A subscriber is dropped once CONNECTION_QUEUE pushes wait for it beyond what
+        # gRPC's windows hold: test_pubsub_server_bounds checks that bound.)
         leave.set()
         fast.cancel()
         slow.cancel()

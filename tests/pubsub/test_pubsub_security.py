@@ -269,3 +269,49 @@ def test_auto_server_honours_the_token(tmp_path: Path, monkeypatch: pytest.Monke
     finally:
         pub.close()  # type: ignore[attr-defined]
         auto.stop_serving(str(tmp_path))
+
+
+def test_auto_server_refuses_a_subscriber_without_the_host_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pubsub=auto`` with no token configured still requires one: the location's own, in
+    ``pubsub.token`` beside the SQLite database, readable by its owner only. Another local
+    process that finds the advertised port but cannot read that file gets UNAUTHENTICATED;
+    every process of the location (the same file) connects.
+
+    Regression: the auto server accepted any subscriber without a token."""
+    import grpc
+
+    from pyspark_persist.pubsub import auto
+
+    monkeypatch.delenv("PERSIST_PUBSUB_TOKEN", raising=False)
+    location = f"sqlite:///{tmp_path}/consensus.db"
+    pub = pubsub.connect("auto", location)
+    other = pubsub.connect("auto", location)  # another client of the location
+    try:
+        pub.subscribe("s", SharedState("s"), location)
+        other.subscribe("s", SharedState("s"), location)
+        deadline = time.monotonic() + 10
+        while not (getattr(pub, "connected", False) and getattr(other, "connected", False)):
+            assert time.monotonic() < deadline, "the auto clients never connected"
+            time.sleep(0.02)
+        address = (tmp_path / "pubsub.addr").read_text().strip()
+        assert _subscribe(address) == grpc.StatusCode.UNAUTHENTICATED
+        assert _subscribe(address, token="guessed") == grpc.StatusCode.UNAUTHENTICATED
+        token_file = tmp_path / "pubsub.token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        assert _subscribe(address, token=token_file.read_text().strip()) is None
+    finally:
+        pub.close()  # type: ignore[attr-defined]
+        other.close()  # type: ignore[attr-defined]
+        auto.stop_serving(str(tmp_path))
+
+
+def test_an_empty_host_token_file_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token file with no token names the file and the fix, before anything connects."""
+    monkeypatch.delenv("PERSIST_PUBSUB_TOKEN", raising=False)
+    (tmp_path / "pubsub.token").write_text("\n")
+    with pytest.raises(InvalidUsage, match=r"pubsub\.token is empty: delete it"):
+        pubsub.connect("auto", f"sqlite:///{tmp_path}/consensus.db")

@@ -2,7 +2,9 @@
 keeps idle clients connected.
 
 - A subscriber that never reads has its stream ended once a bounded number of
-  bytes waits for it; the memory comes back when the connections end.
+  messages waits for it; an older client's large pushes (which carried the diff) are
+  forwarded without it, so they cannot grow the server; memory comes back when the
+  connections end.
 - Malformed messages, empty and huge shard names end the stream with INVALID_ARGUMENT.
 - The client's keepalive respects the server's ping policy: an idle client is not
   sent GOAWAY ``too_many_pings``.
@@ -47,10 +49,23 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def push(seqno: int, size: int, topic: str = TOPIC) -> pb.ProtoPubSubMessage:
-    return pb.ProtoPubSubMessage(
-        push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=seqno, diff=b"d" * size)
-    )
+def push(seqno: int, topic: str = TOPIC) -> pb.ProtoPubSubMessage:
+    return pb.ProtoPubSubMessage(push_diff=pb.ProtoPushDiff(shard_id=topic, seqno=seqno))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def older_push(seqno: int, size: int) -> pb.ProtoPubSubMessage:
+    """A push as an older client sent it: with ``size`` bytes of diff in field 3."""
+    body = push(seqno).push_diff.SerializeToString() + b"\x1a" + _varint(size) + b"d" * size
+    return pb.ProtoPubSubMessage.FromString(b"\x0a" + _varint(len(body)) + body)
 
 
 def subscribe(topic: str = TOPIC) -> pb.ProtoPubSubMessage:
@@ -78,8 +93,8 @@ def server_process() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
 def test_a_subscriber_that_never_reads_cannot_grow_the_server(
     server_process: tuple[subprocess.Popen[bytes], str],
 ) -> None:
-    """300 pushes of 1 MiB to a topic whose subscriber never reads: the server drops the
-    subscriber once its queue is full by bytes, stays small, and gives memory back."""
+    """300 pushes of 1 MiB (an older client's, diff included) to a topic whose subscriber
+    never reads: the server queues only their SeqNos, stays small, and gives memory back."""
     proc, address = server_process
     time.sleep(0.5)  # let the server finish starting before the baseline
     baseline = rss_mib(proc.pid)
@@ -94,7 +109,7 @@ def test_a_subscriber_that_never_reads_cannot_grow_the_server(
     assert next(slow).WhichOneof("message") == "subscribe"  # acknowledged; never read again
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.ProtoPersistPubSubStub(ch)
-        for _ in stub.PubSub((push(i, MiB) for i in range(1, 301)), timeout=120):
+        for _ in stub.PubSub((older_push(i, MiB) for i in range(1, 301)), timeout=120):
             pass
     time.sleep(0.5)
     during = rss_mib(proc.pid)
@@ -110,6 +125,17 @@ def test_a_subscriber_that_never_reads_cannot_grow_the_server(
     )
     assert during - baseline < 150, "the server queued the pushes for a subscriber that never reads"
     assert after - baseline < 64, "the server kept the memory after the connections ended"
+
+
+def test_a_subscriber_that_never_reads_has_a_bounded_queue() -> None:
+    """A connection queues at most CONNECTION_QUEUE messages: the next one ends its stream
+    (the subscriber reconnects and catches up from Consensus) and frees what was queued."""
+    conn = server_module._Conn("peer")
+    for i in range(1, server_module.CONNECTION_QUEUE + 1):
+        assert conn.offer(push(i), 30)
+    assert conn.queued_bytes == 30 * server_module.CONNECTION_QUEUE
+    assert not conn.offer(push(server_module.CONNECTION_QUEUE + 1), 30)
+    assert conn.ended and conn.queued_bytes == 0
 
 
 def raw_status(address: str, messages: list[pb.ProtoPubSubMessage]) -> Any:
@@ -133,8 +159,8 @@ def raw_status(address: str, messages: list[pb.ProtoPubSubMessage]) -> Any:
         [subscribe("0123456789abcdef/")],
         [subscribe("not-a-topic")],
         [subscribe("0123456789abcdef/../etc")],
-        [push(1, 10, topic="")],
-        [push(0, 10)],
+        [push(1, topic="")],
+        [push(0)],
         [subscribe(), pb.ProtoPubSubMessage()],
     ],
     ids=[

@@ -1,4 +1,4 @@
-"""Every public error class is in the taxonomy and named in the README's Errors section."""
+"""Every public error class is in the taxonomy and named on the docs' Errors page."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pyspark_persist.state import errors
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
 
 def public_errors() -> list[type[Exception]]:
@@ -18,12 +18,11 @@ def public_errors() -> list[type[Exception]]:
     ]
 
 
-def test_every_error_is_a_persist_error_named_in_the_readme() -> None:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("### Errors") : text.index("### Faults")]
+def test_every_error_is_a_persist_error_named_in_the_docs() -> None:
+    page = PAGE.read_text(encoding="utf-8")
     for cls in public_errors():
         assert issubclass(cls, errors.PersistError), cls
-        assert f"`{cls.__name__}`" in section, f"{cls.__name__} is not in the README's Errors"
+        assert f"`{cls.__name__}`" in page, f"{cls.__name__} is not in docs/errors.md"
 
 
 def test_the_taxonomy_says_what_happened() -> None:

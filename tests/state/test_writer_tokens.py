@@ -136,7 +136,7 @@ def test_unknown_outcome_past_the_deadline_is_indeterminate() -> None:
 def test_resend_with_the_callers_token_applies_once(lossy: Lossy) -> None:
     """Item 8: idempotency is explicit. A resend through a new handle (a restarted process) with
     the token the caller used is AlreadyCommitted; a write without a token claims nothing and a
-    resend of it lands again, as the README's idempotency contract says."""
+    resend of it lands again, as the idempotency contract (docs/idempotency.md) says."""
     shard = lossy.client.open_shard("s", SCHEMA)
     lossy.inner.enabled = True
     with pytest.raises(Indeterminate):

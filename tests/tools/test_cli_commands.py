@@ -266,7 +266,7 @@ def test_tail_text_lines_and_a_bad_as_of(home: Path, capsys: pytest.CaptureFixtu
     assert stored(home) == before
 
 
-def test_check_runs_the_readme_command(capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_runs_the_documented_command(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, err = run(capsys, "check", "--backend", "mem-mem", "--seconds", "1", "--json")
     assert status == 0, err
     report = json.loads(out)

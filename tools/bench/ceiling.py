@@ -13,8 +13,8 @@ the API's, the benchmarks run two do-nothing peers in the same Spark session:
   Spark takes is a byte of its own, as a real source's are (persist's: its parts in the
   page cache), and none is fetched, checked or decoded. The no-I/O source hands over one
   batch again and again, whose few MiB may stay in the CPU's caches; this peer shows
-  whether that flatters the ceiling (on 2026-11-26 it did not: 1.01-1.04x the no-I/O
-  source's throughput);
+  whether that flatters the ceiling (measured, it did not: see
+  bench-report/history.md);
 - ``persist-bench-discard``: a sink whose tasks count the Arrow batches they receive
   and keep nothing (batch writes), and whose streaming writer drains them and commits
   nothing: the per-phase floor of any Python streaming sink;

@@ -30,7 +30,7 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   for the run: Spark hands every Python sink (persist's and the discarding one)
   N-row Arrow batches instead of its default 10,000; at 65,536, persist's
   stored batch, persist stores them as they come instead of copying them
-  together (see README, "Bulk writes"). ``--lift-arrow-byte-cap`` sets
+  together (see docs/spark.md, "Bulk writes"). ``--lift-arrow-byte-cap`` sets
   ``spark.sql.execution.arrow.maxBytesPerBatch`` to 2147483647, the one value at
   which Spark stops measuring the Arrow batch it is building after every row (at
   its default, 64 MiB, that measuring took a third of the JVM's task-thread
@@ -221,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lift-arrow-byte-cap",
         action="store_true",
         help=f"set {ARROW_BYTE_CAP_CONF} to {NO_ARROW_BYTE_CAP}, so Spark stops measuring "
-        "each Arrow batch for a Python sink after every row (see README, Bulk writes)",
+        "each Arrow batch for a Python sink after every row (see docs/spark.md, Bulk writes)",
     )
     parser.add_argument("--skip-latency", action="store_true", help="throughput only")
     parser.add_argument("--skip-throughput", action="store_true", help="latency only")
