@@ -14,7 +14,9 @@ moved the upper. The commit carries the
 idempotency token ``batchId`` under a writer id that is the streaming
 query's own id (read from its checkpoint), so a micro-batch replayed after a
 crash is answered "already committed" and applied once. ``abort`` deletes
-what was staged; parts of a crashed attempt are reclaimed by GC later.
+what was staged where no commit can reference it (a commit whose outcome is
+unknown may have landed, or land later: see ``abort_staged``); the rest, and
+parts of a crashed attempt, are reclaimed by GC's orphan sweep later.
 
 Complete output mode and ``mode("overwrite")`` replace the shard's contents
 atomically: the same commit retracts what is there (by reference, no reread)
@@ -54,7 +56,7 @@ from pyspark_persist.state.parts import (
     decode_schema,
     encode_schema,
 )
-from pyspark_persist.state.write import BatchBuilder, StagedBatch, delete_staged, unreferenced
+from pyspark_persist.state.write import BatchBuilder, StagedBatch, abandon_staged
 
 log = logging.getLogger(__name__)
 
@@ -309,15 +311,23 @@ def commit_staged(
 
 
 def abort_staged(opts: PersistOptions, messages: list[WriterCommitMessage | None]) -> None:
-    """Delete every part the tasks staged: the micro-batch was not committed."""
+    """Delete the parts the tasks staged that no commit can reference (driver, after a failure).
 
-    blob = blob_for(opts.blob)
-    machine = client_for(opts).open_shard(opts.shard, create=False).machine
-    for m in _staged(messages):
-        # A commit whose reply was lost may have landed, and a later compaction may have
-        # replaced it: delete only what no state kept in Consensus references.
-        parts = StagedBatch.from_json(json.loads(m.staged)).parts
-        delete_staged(blob, unreferenced(machine, parts))
+    Spark calls ``abort`` once the commit raised (or was never called), in a
+    planner worker that may not be the commit's, so nothing here knows what
+    the commit attempted. An attempt whose reply was lost may have landed, or
+    be in flight and land later (Spark's replay then says "already
+    committed"): :func:`~pyspark_persist.state.write.abandon_staged` fences
+    those off with a no-op compare-and-set and deletes only what no state
+    references; if it cannot, the orphan sweep takes the parts after
+    ``staged_part_grace_s``.
+    """
+    parts = [
+        p for m in _staged(messages) for p in StagedBatch.from_json(json.loads(m.staged)).parts
+    ]
+    if not any(p.key is not None for p in parts):
+        return
+    abandon_staged(client_for(opts).open_shard(opts.shard, create=False).machine, parts)
 
 
 def _report(metrics: SinkBatchMetrics, checkpoint: str | None) -> None:

@@ -335,6 +335,19 @@ def expire_writers(state: ShardState, *, now_ms: int, idle_ms: int) -> Outcome[t
     return Apply(b.build(), gone)
 
 
+def fence(state: ShardState) -> Outcome[int]:
+    """Take the next SeqNo with a diff that changes nothing; the result is that SeqNo.
+
+    Every compare-and-set attempt carries the SeqNo it expects to follow, so
+    once this lands, no attempt computed against this state or an older one
+    (one whose reply was lost, still in flight in a slow store or another
+    process) can land any more. Cleanup that must not race such an attempt
+    fences first (see :func:`~pyspark_persist.state.write.abandon_staged`).
+    Applying it twice (a retry after a lost reply) only takes one more SeqNo.
+    """
+    return Apply(DiffBuilder(state).build(), state.seqno + 1)
+
+
 def claim_gc(state: ShardState, *, seqno_since: int) -> Outcome[bool]:
     """Record that GC up to ``seqno_since`` is under way, so other processes skip it."""
     if seqno_since <= state.last_gc_seqno:

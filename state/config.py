@@ -36,7 +36,9 @@ class PersistConfig:
     rollup_interval: int = 64
     """A full state is written to Blob every this many SeqNos, so loading reads few diffs."""
     retry_timeout_s: float = 60.0
-    """How long a command retries unavailable stores and lost races before giving up."""
+    """How long a command retries unavailable stores and lost races before giving up; less
+    than half of ``staged_part_grace_s`` (a commit may land this long after checking its
+    staged parts)."""
     listen_poll_min_s: float = 0.002
     """First Consensus poll delay of a waiting listen once its in-process wake-up timed out."""
     listen_poll_max_s: float = 0.1
@@ -58,7 +60,9 @@ class PersistConfig:
     gc_interval: int = 32
     """GC runs after the oldest held SeqNo has advanced by this many since the last GC."""
     staged_part_grace_s: float = 3600.0
-    """Parts staged but never committed are deleted by an orphan sweep after this long."""
+    """Parts staged but never committed are deleted by an orphan sweep after this long; a
+    commit accepts parts younger than half of it, and ``retry_timeout_s`` must be shorter
+    than that half."""
     writer_idle_expiry_s: float = 30 * 86400.0
     """GC forgets a writer (its entry and last token) once it has not committed for this long
     (30 days), so the writers map stays small; a writer that then resends an old token has
@@ -84,6 +88,17 @@ class PersistConfig:
             raise InvalidUsage("persist config listen_poll_min_s must be <= listen_poll_max_s")
         if self.compaction_fan_in < 2:
             raise InvalidUsage("persist config compaction_fan_in must be at least 2")
+        if self.retry_timeout_s >= self.staged_part_grace_s / 2:
+            # A commit refuses staged parts older than half the grace, then may retry for
+            # retry_timeout_s: a longer window lets it land after the orphan sweep took them.
+            raise InvalidUsage(
+                f"persist config retry_timeout_s={self.retry_timeout_s:g} must be less than "
+                f"half of staged_part_grace_s={self.staged_part_grace_s:g}: a commit accepts "
+                "staged parts younger than half the grace and may then retry for "
+                "retry_timeout_s, so the orphan sweep could delete them before it lands. Raise "
+                f"staged_part_grace_s above {2 * self.retry_timeout_s:g} or lower "
+                f"retry_timeout_s below {self.staged_part_grace_s / 2:g}"
+            )
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> PersistConfig:

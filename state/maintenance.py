@@ -24,9 +24,10 @@ forgets older rollups. An occasional sweep deletes parts that were staged
 but never committed (a crash between staging and commit) once they are
 older than ``staged_part_grace_s``, by the later of the Blob store's own
 timestamp and the time in the part key (a writer's clock that is behind
-cannot make a fresh part look old). Commits refuse parts older than half
-the grace (:func:`~pyspark_persist.state.write.check_staged`), so the sweep
-never takes a part a commit is about to reference.
+cannot make a fresh part look old). Every commit attempt refuses parts older
+than half the grace (:func:`~pyspark_persist.state.write.check_staged`), and
+lands within ``retry_timeout_s``, less than that half, so the sweep never
+takes a part a commit is about to reference.
 
 Maintenance is data. What to merge is planned by the pure
 :func:`compaction_request` (:func:`compaction_plan` for a dry run), what is
@@ -243,16 +244,14 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     staged = builder.finish()
     merged = Batch(lower, upper, since, staged.parts)
     info = RunInfo()
-    checked = False
 
     def swap(s: ShardState) -> commands.Outcome[bool]:
-        # Like a write, the merge references its parts only if they are still there and
-        # safe from the orphan sweep (a compaction slower than the grace loses them).
-        nonlocal checked
+        # Like a write, every attempt that would reference the merge's parts checks they
+        # are still there and safe from the orphan sweep (a compaction slower than the
+        # grace, or held back by a store blip, loses them).
         outcome = commands.apply_merge(s, replaced=batches, merged=merged)
-        if isinstance(outcome, commands.Apply) and not checked:
+        if isinstance(outcome, commands.Apply):
             check_staged(machine, staged.parts)
-            checked = True
         return outcome
 
     ok = machine.run(swap, info=info)

@@ -408,6 +408,11 @@ class StateDiff:
     maps: Mapping[str, tuple[Mapping[Any, Any], frozenset[Any]]] = field(default_factory=dict)
 
     @property
+    def put_batches(self) -> tuple[Batch, ...]:
+        """The batches this diff adds (a write's, a merge's, an extended empty batch)."""
+        return tuple(self.maps.get("batches", ({}, frozenset()))[0].values())
+
+    @property
     def deleted_batches(self) -> frozenset[str]:
         """The keys of the batches this diff removes (replaced by a merge, or extended)."""
         return frozenset(self.maps.get("batches", ({}, frozenset()))[1])

@@ -18,8 +18,12 @@ A write has two halves that may run in different processes:
    the same token, is answered :class:`~pyspark_persist.state.commands.AlreadyCommitted`
    and applies nothing.
 
-Parts that were staged but never committed are invisible and are deleted by
-``abort`` or, after a crash, by GC once they are older than its grace period.
+Parts that were staged but never committed are invisible. A commit refused
+for good deletes them, and so does ``abort``, but only where no state
+references them and no attempt with an unknown outcome (a lost reply, an
+attempt still in flight) can land any more (:func:`abandon_staged`);
+whatever that cannot prove, and whatever a crash left, GC's orphan sweep
+deletes once it is older than ``staged_part_grace_s``.
 """
 
 from __future__ import annotations
@@ -361,7 +365,14 @@ class BatchBuilder:
         return StagedBatch(self._shard_id, tuple(self._done), bool(self._has_time))
 
     def abort(self) -> None:
-        """Delete every part this builder uploaded; the builder cannot be used afterwards."""
+        """Delete every part this builder uploaded; the builder cannot be used afterwards.
+
+        After :meth:`finish` it deletes nothing: the parts belong to the
+        returned StagedBatch, which a commit may reference (one whose reply was
+        lost may have landed); give a batch up with :func:`abandon_staged`.
+        """
+        if self._finished:
+            return
         self._finished = True
         for f in self._pending:
             try:
@@ -441,11 +452,13 @@ def delete_staged(blob: Blob, parts: Sequence[PartRef]) -> None:
 def check_staged(machine: Machine, parts: Sequence[PartRef]) -> None:
     """Raise StagedPartsExpired unless every Blob part exists and is safe from the orphan sweep.
 
-    One batched metadata request (``Blob.stat_many``). The sweep deletes
+    One batched metadata request (``Blob.stat_many``), made before every
+    compare-and-set attempt that would reference the parts. The sweep deletes
     unreferenced parts ``staged_part_grace_s`` after the store wrote them;
     refusing parts older than half of that (by this process's clock against
-    the store's timestamp) leaves the other half for the compare-and-set to
-    land and for clock skew, so a commit never references a part the sweep
+    the store's timestamp) leaves the other half for the attempt to land
+    (within ``retry_timeout_s``, which PersistConfig keeps below half the
+    grace) and for clock skew, so a commit never references a part the sweep
     may delete meanwhile.
     """
     keys = [p.key for p in parts if p.key is not None]
@@ -616,14 +629,19 @@ class WriteHandle:
                     "that range"
                 )
         staged = self._stage(table, has_time, schema)
-        ts_rewrite = None if staged.has_time else expected_upper
-        return self.compare_and_append_batches(
+        writer, tok = self._identity(token)
+        return self._append_batches(
             [staged],
             expected_upper,
             new_upper,
-            token=token,
-            ts_rewrite=ts_rewrite,
-            schema=schema if merge_schema else None,
+            writer,
+            tok,
+            None if staged.has_time else expected_upper,
+            True,
+            False,
+            encode_schema(schema) if merge_schema else None,
+            RunInfo(),
+            staged_here=True,
         )
 
     def compare_and_append_batches(
@@ -641,10 +659,13 @@ class WriteHandle:
         """Commit staged batches as one batch ``[expected_upper, new_upper)`` in one state change.
 
         ``token``: see the class doc. ``ts_rewrite`` gives parts staged
-        without times their time (every time is read as at least it). Parts
-        of a surely-failed attempt (UpperMismatch) are deleted unless
-        ``delete_on_mismatch`` is False (a caller that will retry the same
-        staged batches at a new upper). With ``replace`` the commit
+        without times their time (every time is read as at least it). A
+        commit refused (UpperMismatch, SchemaMismatch) gives its parts up,
+        unless ``delete_on_mismatch`` is False (a caller that will retry the
+        same staged batches at a new upper): they may be a resend's, whose
+        earlier attempt landed or is still in flight, so they go through
+        :func:`abandon_staged` (a fence, one history read), which deletes
+        only what no commit can reference. With ``replace`` the commit
         atomically retracts the shard's current contents too, so afterwards
         it holds exactly these batches. ``schema``, the schema the batches
         were staged with, adds the columns the shard lacks to its schema in
@@ -661,6 +682,8 @@ class WriteHandle:
             delete_on_mismatch,
             replace,
             None if schema is None else encode_schema(schema),
+            RunInfo(),
+            staged_here=False,
         )
 
     def _identity(self, token: int | None) -> tuple[str, int]:
@@ -686,8 +709,17 @@ class WriteHandle:
         delete_on_mismatch: bool,
         replace: bool,
         schema: bytes | None,
+        info: RunInfo,
+        *,
+        staged_here: bool,
     ) -> AppendResult:
-        """compare_and_append_batches as ``writer`` with ``token``."""
+        """compare_and_append_batches as ``writer`` with ``token``.
+
+        ``info`` collects the attempts with unknown outcomes (across calls
+        that commit the same staged parts, as :meth:`append`'s retries do).
+        ``staged_here``: the parts were staged for this commit alone, so no
+        attempt but those in ``info`` ever named them.
+        """
         _check_uppers(expected_upper, new_upper)
         parts: list[PartRef] = []
         for b in batches:
@@ -709,11 +741,8 @@ class WriteHandle:
                         "that range"
                     )
                 parts.append(part)
-        info = RunInfo()
-        checked = False
 
         def append(s: ShardState) -> commands.Outcome[AppendResult]:
-            nonlocal checked
             outcome = commands.compare_and_append(
                 s,
                 parts=tuple(parts),
@@ -725,23 +754,34 @@ class WriteHandle:
                 replace=replace,
                 schema=schema,
             )
-            if isinstance(outcome, commands.Apply) and not checked:
-                # Only a commit that will reference the parts checks them: a retry
-                # answered AlreadyCommitted must not fail because GC moved on since.
+            if isinstance(outcome, commands.Apply):
+                # Every attempt that will reference the parts checks them (the sweep may take
+                # them while a store blip holds the commit back); a retry answered
+                # AlreadyCommitted must not fail because GC moved on since.
                 check_staged(self._machine, parts)
-                checked = True
             return outcome
 
         try:
             result = self._machine.run(append, info=info)
         except SchemaMismatch:
             # A merge-schema commit that met a conflicting column can never land: its parts
-            # go now (those an earlier attempt with a lost reply did commit stay).
-            delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
+            # go now (those an attempt with an unknown outcome did or may commit stay).
+            self._give_up(parts, info, staged_here)
             raise
         if isinstance(result, UpperMismatch) and delete_on_mismatch:
-            delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
+            self._give_up(parts, info, staged_here)
         return result
+
+    def _give_up(self, parts: Sequence[PartRef], info: RunInfo, staged_here: bool) -> None:
+        """Delete the parts of a refused commit that no commit can reference.
+
+        Parts staged for this commit alone were attempted only by the runs in
+        ``info``; any other parts may be a resend's (see :func:`abandon_staged`).
+        """
+        if staged_here:
+            delete_staged(self._machine.blob, never_committed(self._machine, parts, info))
+        else:
+            abandon_staged(self._machine, parts)
 
     @traced("WriteHandle.append")
     def append(
@@ -770,11 +810,22 @@ class WriteHandle:
         staged = self._stage(table, has_time, schema)
         writer, tok = self._identity(token)
         evolves = encode_schema(schema) if merge_schema else None
+        info = RunInfo()  # every retry's lost replies, for the cleanup
         upper = self.upper
         while True:
             t = max(upper, self._machine.clock_ms())
             result = self._append_batches(
-                [staged], upper, t + 1, writer, tok, t, False, False, evolves
+                [staged],
+                upper,
+                t + 1,
+                writer,
+                tok,
+                t,
+                False,
+                False,
+                evolves,
+                info,
+                staged_here=True,
             )
             if isinstance(result, Committed | AlreadyCommitted):
                 return result
@@ -799,19 +850,55 @@ def _with_rewrite(part: PartRef, ts_rewrite: Time) -> PartRef:
 def never_committed(machine: Machine, parts: Sequence[PartRef], info: RunInfo) -> list[PartRef]:
     """The keyed ``parts`` a refused command may delete: those no committed state references.
 
-    Without a lost reply the command surely committed nothing, so all of
-    them. After one, the attempt may have landed and a later state (another
-    compaction's merge, a reader's leased SeqNo) may reference its parts, so
-    only parts that no state kept in Consensus references, read now, and only
-    once the head is past every unknown attempt (an attempt still in flight
-    could land later). Whatever this cannot prove stays for GC: a landed
-    attempt's parts are collected like any replaced batch's, an unlanded
-    one's by the orphan sweep.
+    Only for parts that no command but the runs ``info`` saw ever tried to
+    commit (staged for this command alone: a write's own, a merge's output);
+    parts that may have been attempted elsewhere go through
+    :func:`abandon_staged`. Without a lost reply the command surely
+    committed nothing, so all of them. After one, the attempt may have
+    landed and a later state (another compaction's merge, a reader's leased
+    SeqNo) may reference its parts, so only parts that no state kept in
+    Consensus references, read now, and only once the head is past every
+    unknown attempt (an attempt still in flight could land later). Whatever
+    this cannot prove stays for GC: a landed attempt's parts are collected
+    like any replaced batch's, an unlanded one's by the orphan sweep.
     """
     keyed = [p for p in parts if p.key is not None]
     if not info.uncertain or not keyed:
         return keyed
     return unreferenced(machine, keyed, after_seqno=max(info.indeterminate_seqnos))
+
+
+def abandon_staged(machine: Machine, parts: Sequence[PartRef]) -> list[PartRef]:
+    """Delete the Blob objects of staged ``parts`` given up for good, where no commit can need
+    them; return those deleted.
+
+    For parts that some commit attempt with an unknown outcome may reference,
+    unknown to this call: an earlier call's whose reply was lost (a resend of
+    the same StagedBatch), another process's (Spark runs a sink's ``abort``
+    in another worker than its ``commit``), or one still in flight in a slow
+    store. First a :func:`~pyspark_persist.state.commands.fence` takes the
+    next SeqNo, so no attempt sent before this call can land any more (each
+    expects a SeqNo at or below the head read here); then one read of the
+    history keeps every part some state kept in Consensus references (an
+    attempt that landed, and whatever merged it since). When either fails
+    (the fence's own outcome unknown, the history unreadable) nothing is
+    deleted: GC collects what a landed attempt wrote like any replaced
+    batch's parts, and the orphan sweep the rest after ``staged_part_grace_s``.
+
+    Only attempts sent before the call are fenced off: call it once the
+    commit returned or raised, never while it may still be retrying.
+    """
+    keyed = [p for p in parts if p.key is not None]
+    if not keyed:
+        return []
+    try:
+        fenced = machine.run(commands.fence)
+    except PersistError as e:
+        log.info("shard %s: kept %s given-up parts: %s", machine.shard_id, len(keyed), e)
+        return []
+    doomed = unreferenced(machine, keyed, after_seqno=fenced)
+    delete_staged(machine.blob, doomed)
+    return doomed
 
 
 def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 0) -> list[PartRef]:
@@ -834,13 +921,10 @@ def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 
     head = rows[-1].seqno if rows else start.seqno
     if head < after_seqno:
         return []
-    referenced = _referenced_keys(start)
-    state = start
+    # A batch enters state only by a diff's put: the start state's batches and every batch a
+    # later diff puts are all that any kept state references (no state is rebuilt).
+    batches = list(start.batches.values())
     for row in rows:
-        state = state.apply(decode(row.data, where=f"consensus row {state.shard_id!r}"))
-        referenced |= _referenced_keys(state)
+        batches.extend(decode(row.data, where=f"consensus row {start.shard_id!r}").put_batches)
+    referenced = {p.key for b in batches for p in b.parts if p.key is not None}
     return [p for p in keyed if p.key not in referenced]
-
-
-def _referenced_keys(state: ShardState) -> set[str]:
-    return {p.key for b in state.batches.values() for p in b.parts if p.key is not None}

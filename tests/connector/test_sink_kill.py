@@ -175,7 +175,9 @@ def test_sigkill_at_random_points_then_restart_exactly_once(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
-    client = PersistClient.open(config=PersistConfig(staged_part_grace_s=0.2, maintenance=False))
+    client = PersistClient.open(
+        config=PersistConfig(staged_part_grace_s=0.2, retry_timeout_s=0.05, maintenance=False)
+    )
     handle = client.open_shard(shard, create=False)
     table = handle.reader().snapshot_table()
     ids = sorted(table.column("id").to_pylist())

@@ -18,15 +18,27 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
+from pyspark_persist import writer as sink
 from pyspark_persist.options import PersistOptions
-from pyspark_persist.state import AlreadyCommitted, Committed, PersistClient
-from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state import AlreadyCommitted, Committed, PersistClient, PersistConfig
+from pyspark_persist.state.blob import open_blob
+from pyspark_persist.state.cache import StateCache
+from pyspark_persist.state.consensus import (
+    CaSResult,
+    Consensus,
+    SeqNo,
+    VersionedData,
+    open_consensus,
+)
+from pyspark_persist.state.errors import Indeterminate, InvalidUsage
+from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 from pyspark_persist.writer import (
     METRICS_FILE,
     PersistBatchWriter,
     PersistCommitMessage,
     PersistStreamWriter,
     _in_target,
+    query_writer_id,
     read_sink_metrics,
 )
 
@@ -525,3 +537,68 @@ def test_spark_batches_take_the_staging_schema_without_a_copy_or_are_cast() -> N
     narrower = pa.table({"id": pa.array([7], pa.int32()), "s": ["b"]})
     cast = _in_target(narrower, target)
     assert cast.schema.equals(target) and cast.to_pylist() == [{"id": 7, "s": "b", "extra": None}]
+
+
+class HeldConsensus(UnreliableConsensus):
+    """Holds the next compare-and-set in flight: the caller hears Indeterminate at once, and the
+    attempt reaches the store only when :meth:`land` is called (a slow store, a late retry)."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(inner, Faults(seed=0), enabled=False)
+        self.armed = False
+        self.held: tuple[str, SeqNo | None, VersionedData] | None = None
+
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
+        """The inner call, or, when armed, nothing yet (once)."""
+        if not self.armed:
+            return super().compare_and_set(key, expected, new)
+        self.armed = False
+        self.held = (key, expected, new)
+        raise Indeterminate(f"compare-and-set of {key!r} at SeqNo {new.seqno} still in flight")
+
+    def land(self) -> CaSResult:
+        """The held attempt reaches the store now."""
+        assert self.held is not None
+        return self.inner.compare_and_set(*self.held)
+
+
+def test_sink_abort_keeps_parts_of_a_commit_that_lands_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33 item 2: Spark's ``abort`` after a commit with an unknown outcome, whose attempt
+    is still in flight and lands afterwards, leaves no state naming a deleted part.
+
+    The commit of micro-batch 1 raises Indeterminate with its compare-and-set
+    held in flight; ``abort`` runs (in another planner worker: a client of its
+    own); then the held attempt reaches the store, and the restarted query
+    stages and commits batch 1 again. The old abort deleted the staged parts
+    (no state referenced them yet), the late attempt landed references to
+    them, the replay was answered "already committed", and every read failed.
+    """
+    shard = f"late-{uuid.uuid4().hex[:8]}"
+    ckpt = _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+    first = _writer(shard, ckpt)
+    first.commit([_stage(first, range(3))], 0)
+    msgs = [_stage(first, range(10, 20), pad=500)]
+    opts = PersistOptions.parse({"path": shard, "checkpointLocation": str(ckpt)}, "stream_write")
+    held = HeldConsensus(open_consensus(opts.consensus))
+    committer = PersistClient(
+        open_blob(opts.blob),
+        held,
+        config=PersistConfig(retry_timeout_s=1e-9, maintenance=False),
+        cache=StateCache(),
+    )
+    try:
+        with monkeypatch.context() as m:  # the commit's planner worker, over the held store
+            m.setattr(sink, "open_shard", lambda o: committer.open_shard(o.shard, create=False))
+            held.armed = True
+            with pytest.raises(Indeterminate):
+                sink.commit_staged(opts, query_writer_id(opts), 1, msgs, False)
+        assert held.held is not None
+        sink.abort_staged(opts, msgs)  # another worker: knows nothing of the attempt
+        held.land()
+        replay = _writer(shard, ckpt)
+        replay.commit([_stage(replay, range(10, 20), pad=500)], 1)
+        assert _ids(shard) == [0, 1, 2, *range(10, 20)]
+    finally:
+        committer.close()

@@ -14,13 +14,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace as dc_replace
 
+import pyarrow as pa
 import pytest
 from key_helpers import SCHEMA, counts, updates
 
 from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
-from pyspark_persist.state.commands import Committed
+from pyspark_persist.state.commands import Committed, UpperMismatch
 from pyspark_persist.state.consensus import (
     CaSResult,
     Consensus,
@@ -28,7 +29,12 @@ from pyspark_persist.state.consensus import (
     VersionedData,
     open_consensus,
 )
-from pyspark_persist.state.errors import Indeterminate, StagedPartsExpired
+from pyspark_persist.state.errors import (
+    Indeterminate,
+    InvalidUsage,
+    SchemaMismatch,
+    StagedPartsExpired,
+)
 from pyspark_persist.state.maintenance import compact, compaction_request
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 from pyspark_persist.state.write import StagedBatch
@@ -240,3 +246,150 @@ def test_sweep_measures_age_by_the_store_not_the_writer_clock(location: tuple[st
             assert counts(reader.snapshot_table(0)) == collections.Counter({5: 1, 6: 1})
     finally:
         a.close()
+
+
+def lossy_client(loc: tuple[str, str], faults: Faults) -> tuple[PersistClient, UnreliableConsensus]:
+    """A client whose Consensus injects ``faults`` (armed later) and hands every error straight
+    to the caller: a lost reply ends the call with Indeterminate, as after a failed deadline."""
+    consensus = UnreliableConsensus(open_consensus(loc[1]), faults, enabled=False)
+    config = PersistConfig(inline_write_max_bytes=1, maintenance=False, retry_timeout_s=1e-9)
+    return client_on(loc, config, consensus), consensus
+
+
+LOSE_ONE_REPLY = Faults(seed=0, fail_after=1.0, max_faults=1, ops=frozenset({"compare_and_set"}))
+
+
+def test_resend_after_indeterminate_keeps_the_landed_parts(location: tuple[str, str]) -> None:
+    """Issue 33 item 1: a resent StagedBatch refused with UpperMismatch deletes nothing it landed.
+
+    The first commit (no token) lands but its reply is lost: Indeterminate.
+    Resending the same staged batch at the same expected upper is refused
+    (the first commit moved the upper); the old code then deleted the staged
+    parts the landed batch references, and every read failed with PartNotFound.
+    """
+    a, lossy = lossy_client(location, LOSE_ONE_REPLY)
+    try:
+        shard = a.open_shard("resend", SCHEMA)
+        writer = shard.writer()
+        builder = writer.builder()
+        builder.add(updates([7, 8], 0))
+        staged = builder.finish()
+        assert all(p.key is not None for p in staged.parts)
+        lossy.enabled = True
+        with pytest.raises(Indeterminate):
+            writer.compare_and_append_batches([staged], 0, 1)
+        assert lossy.injected["fail_after"] == 1
+        assert writer.compare_and_append_batches([staged], 0, 1) == UpperMismatch(current=1)
+        with shard.reader() as reader:
+            assert counts(reader.snapshot_table(0)) == collections.Counter({7: 1, 8: 1})
+    finally:
+        a.close()
+
+
+def test_schema_mismatch_after_indeterminate_keeps_the_landed_parts(
+    location: tuple[str, str],
+) -> None:
+    """Issue 33 item 1: a resend refused with SchemaMismatch deletes nothing the first one landed.
+
+    The first commit lands with its reply lost; another writer then adds a
+    column ``note`` (a string); the resend, carrying its own ``note`` (an
+    integer), is refused. The old code deleted the staged parts the landed
+    batch references.
+    """
+    a, lossy = lossy_client(location, LOSE_ONE_REPLY)
+    b = client_on(location, BLOB_ONLY)
+    try:
+        shard = a.open_shard("resend-schema", SCHEMA)
+        writer = shard.writer()
+        builder = writer.builder()
+        builder.add(pa.table({"k": pa.array([7, 8], pa.int64())}))  # times set by the commit
+        staged = builder.finish()
+        lossy.enabled = True
+        with pytest.raises(Indeterminate):
+            writer.compare_and_append_batches([staged], 0, 1, ts_rewrite=0)
+        other = b.open_shard("resend-schema", SCHEMA).writer()
+        with_note = updates([9], 1).append_column("note", pa.array(["n"], pa.string()))
+        assert isinstance(other.compare_and_append(with_note, 1, 2, merge_schema=True), Committed)
+        evolved = SCHEMA.append(pa.field("note", pa.int64()))
+        assert writer.fetch_upper() == 2
+        with pytest.raises(SchemaMismatch):
+            writer.compare_and_append_batches([staged], 2, 3, ts_rewrite=2, schema=evolved)
+        with shard.reader() as reader:
+            got = counts(reader.snapshot_table())
+        assert got == collections.Counter({7: 1, 8: 1, 9: 1})
+    finally:
+        a.close()
+        b.close()
+
+
+class BlipConsensus(UnreliableConsensus):
+    """Refuses the next compare-and-set (StoreUnavailable: surely not applied) after ``hook``."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(
+            inner,
+            Faults(seed=0, fail_before=1.0, max_faults=1, ops=frozenset({"compare_and_set"})),
+            enabled=False,
+        )
+        self.hook: Callable[[], object] | None = None
+
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
+        """The inner call; when armed, ``hook`` runs and the call is refused (once)."""
+        if not self.enabled:
+            return super().compare_and_set(key, expected, new)
+        if self.hook is not None:
+            self.hook()
+        try:
+            return super().compare_and_set(key, expected, new)
+        finally:
+            self.enabled = False
+
+
+def test_commit_rechecks_staged_parts_on_every_attempt(location: tuple[str, str]) -> None:
+    """Issue 33 item 3: parts swept while a commit retries a store blip are not committed.
+
+    The first attempt checks the staged parts (fresh) and is refused by the
+    store; meanwhile the orphan sweep of a client whose clock is past the
+    grace deletes them. The old code checked only once, so the retry landed
+    references to deleted parts (and was acknowledged); every read failed.
+    """
+    blip = BlipConsensus(open_consensus(location[1]))
+    a = client_on(location, SWEEP, blip)
+    later = time.time_ns() // 1_000_000 + 2 * HOUR_MS
+    sweeper = PersistClient(
+        open_blob(location[0]),
+        open_consensus(location[1]),
+        config=SWEEP,
+        cache=StateCache(),
+        clock_ms=lambda: later,
+    )
+    try:
+        shard = a.open_shard("blip", SCHEMA)
+        writer = shard.writer()
+        writer.compare_and_append(updates([1], 0), 0, 1)
+        builder = writer.builder()
+        builder.add(updates([2, 3], 1))
+        staged = builder.finish()
+        swept = sweeper.open_shard("blip", SCHEMA)
+        blip.hook = swept.gc
+        blip.enabled = True
+        with pytest.raises(StagedPartsExpired):
+            writer.compare_and_append_batches([staged], 1, 2)
+        assert blip.injected["fail_before"] == 1
+        assert shard.machine.fetch_latest().upper == 1
+        with shard.reader() as reader:
+            assert counts(reader.snapshot_table(0)) == collections.Counter({1: 1})
+    finally:
+        a.close()
+        sweeper.close()
+
+
+def test_config_refuses_retry_timeout_beyond_staged_grace() -> None:
+    """Issue 33 item 3: a commit may retry for retry_timeout_s after checking its parts, which
+    must be younger than half the grace: a retry window reaching past that half is refused."""
+    with pytest.raises(InvalidUsage, match=r"retry_timeout_s=60.*staged_part_grace_s=100"):
+        PersistConfig(staged_part_grace_s=100)
+    with pytest.raises(InvalidUsage, match=r"retry_timeout_s=5.*staged_part_grace_s=10"):
+        PersistConfig.from_options({"staged_part_grace_s": 10, "retry_timeout_s": 5})
+    assert PersistConfig(staged_part_grace_s=10, retry_timeout_s=4.9).retry_timeout_s == 4.9
+    assert PersistConfig().retry_timeout_s < PersistConfig().staged_part_grace_s / 2

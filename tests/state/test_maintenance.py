@@ -383,11 +383,18 @@ def test_stale_reader_expires_critical_never(tmp_path: Path) -> None:
 # --- staged orphans -----------------------------------------------------------------------------
 
 GRACE_S = 1.0
+RETRY_S = GRACE_S / 4
+"""A commit retries for less than half the grace (PersistConfig refuses more)."""
 
 
 def test_gc_sweeps_staged_parts_after_grace(loc: tuple[str, str]) -> None:
     """Parts staged but never committed survive GC within the grace period, then go."""
-    cfg = PersistConfig(staged_part_grace_s=GRACE_S, inline_write_max_bytes=1, maintenance=False)
+    cfg = PersistConfig(
+        staged_part_grace_s=GRACE_S,
+        retry_timeout_s=RETRY_S,
+        inline_write_max_bytes=1,
+        maintenance=False,
+    )
     client = open_client(loc, cfg)
     try:
         shard = client.open_shard("orphans", SCHEMA)
@@ -414,7 +421,12 @@ def test_gc_sweeps_staged_parts_after_grace(loc: tuple[str, str]) -> None:
 def test_gc_sweeps_a_crashed_writers_half_streamed_part(tmp_path: Path) -> None:
     """A part whose writer died while streaming it (no commit, no abort) leaves no key; the
     orphan sweep deletes what it left in Blob once the grace period has passed."""
-    cfg = PersistConfig(staged_part_grace_s=GRACE_S, inline_write_max_bytes=1, maintenance=False)
+    cfg = PersistConfig(
+        staged_part_grace_s=GRACE_S,
+        retry_timeout_s=RETRY_S,
+        inline_write_max_bytes=1,
+        maintenance=False,
+    )
     client = open_client(make_location("file-sqlite", tmp_path), cfg)
     try:
         shard = client.open_shard("crashed", SCHEMA)

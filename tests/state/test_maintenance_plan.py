@@ -44,6 +44,7 @@ def make_client(fan_in: int, clock: list[int] | None = None) -> PersistClient:
         compaction_fan_in=fan_in,
         inline_write_max_bytes=1,
         staged_part_grace_s=1,
+        retry_timeout_s=0.25,  # less than half the grace, as PersistConfig requires
     )
     return PersistClient(
         open_blob(f"mem://{tag}"),
