@@ -208,13 +208,10 @@ class Machine:
             if cached is not None:
                 self.shared.forget()  # dropped: a shard created again under the name is new
             raise self._not_found()
-        if (
-            cached is not None
-            and state is not cached
-            and (state.seqno <= cached.seqno or state.incarnation != cached.incarnation)
-        ):
-            # Not a continuation of the cached state: Consensus no longer continues its
-            # history (the shard was dropped and created again), and what it holds now wins.
+        if cached is not None and state is not cached and state.seqno <= cached.seqno:
+            # Not newer, yet not the cached state: Consensus no longer continues the cached
+            # history (a shard dropped and created again before drops left a tombstone, or
+            # with SeqNos restarted by an older version), and what it holds now wins.
             self.shared.replace(state)
             return state
         self.shared.update(state)

@@ -370,8 +370,6 @@ def test_reader_and_leases_of_a_dropped_shard_get_shard_dropped_never_the_new_ro
     with pytest.raises(ShardDropped):
         reader.heartbeat()
     with pytest.raises(ShardDropped):
-        reader.lease_state(reader.schema and old.machine.state())
-    with pytest.raises(ShardDropped):
         old.critical_reader("crit")
     with pytest.raises(ShardDropped):
         old.reader("r-late")
