@@ -70,7 +70,7 @@ from pyspark_persist.state.client import PersistClient
 from pyspark_persist.state.commands import heartbeat_leased_reader
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.consensus import open_consensus
-from pyspark_persist.state.errors import LeaseExpired
+from pyspark_persist.state.errors import LeaseExpired, ShardDropped, ShardNotFound
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import LeasedPart, conform_columns, consolidate
@@ -104,6 +104,9 @@ class BatchLease:
     lease_ms: int
     planned_ms: int
     """When the planner registered the reader (its clock): the lease runs from then."""
+    incarnation: str
+    """The incarnation of the shard planned from: a task finding another one (the shard was
+    dropped and created again) fails with ShardDropped rather than heartbeat it."""
 
 
 _lease_clients: dict[tuple[str, str], PersistClient] = {}
@@ -153,10 +156,9 @@ class _LeaseKeeper:
         now = clock_ms()
         if now - self._last_ms < self._lease.lease_ms // 3:
             return
-        if self._machine is None:
-            client = lease_client(self._opts)
-            self._machine = client.open_shard(self._opts.shard, create=False).machine
         lease = self._lease
+        if self._machine is None:
+            self._machine = self._open()
         held = self._machine.run(
             lambda s: heartbeat_leased_reader(
                 s, reader_id=lease.reader_id, now_ms=now, seqno=lease.seqno
@@ -170,6 +172,21 @@ class _LeaseKeeper:
                 '.option("leaseSeconds", ...) if its tasks wait that long to start'
             )
         self._last_ms = now
+
+    def _open(self) -> Machine:
+        """The lease client's machine of the shard, if it is still the incarnation planned from
+        (it then stays bound to it); ShardDropped otherwise."""
+        try:
+            machine = lease_client(self._opts).open_shard(self._opts.shard, create=False).machine
+            if machine.state().incarnation == self._lease.incarnation:
+                return machine
+        except ShardNotFound:
+            pass
+        raise ShardDropped(
+            f"persist: shard {self._opts.shard!r} was dropped (persist shards drop) while this "
+            "batch read of it ran: its parts are gone. Re-run the read to read the shard of that "
+            "name now, if there is one"
+        )
 
 
 class PersistBatchReader(DataSourceReader):
@@ -204,7 +221,7 @@ class PersistBatchReader(DataSourceReader):
         plan = reader.snapshot_plan(as_of, self._split_limits(), lambda p: _skip(p, filters))
         if filters:
             log.debug("persist: %s parts left after the pushed filters", len(plan.parts))
-        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms)
+        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
         if plan.may_retract:
             return [ConsolidatingPartition(client.blob.uri, plan.parts, lease)]
         return [BatchPartition(client.blob.uri, s, lease) for s in plan.splits]
@@ -246,7 +263,7 @@ class PersistBatchReader(DataSourceReader):
             upper = state.upper
         check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
         plan = plan_read(state, blob_uri, lower=lower, upper=upper, limits=self._split_limits())
-        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms)
+        lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
         return [BatchPartition(blob_uri, s, lease) for s in plan.splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -1,6 +1,6 @@
 """The streaming source: a snapshot split over many tasks, then listen ranges keyed by SeqNo.
 
-Offsets are JSON ``{"shard", "seqno", "upper", "phase", "as_of"}``: every
+Offsets are JSON ``{"shard", "seqno", "upper", "phase", "as_of", "incarnation"}``: every
 update with a time below ``upper`` has been emitted (``phase: "listen"``), or
 nothing has and the next micro-batch reads the snapshot (``phase:
 "snapshot"``, at ``as_of`` if the user asked for a time). A read limit cuts
@@ -10,8 +10,11 @@ time (fixed by the first cut), and the next cut goes on from there; the last
 one ends at ``as_of + 1`` in ``listen``. A stream asked to
 start at a time or SeqNo without the snapshot (``startingTime``,
 ``startingSeqNo``) starts in ``listen`` at that time. ``seqno`` is the
-state the offset was observed at. They are built only from values in state,
-so the same state always gives the same offset.
+state the offset was observed at, ``incarnation`` the id of the shard's
+creation (absent for a shard created before incarnations existed): a query
+whose checkpoint names a shard since dropped fails with ShardDropped rather
+than read the shard created again under its name. They are built only from
+values in state, so the same state always gives the same offset.
 
 Spark calls ``initialOffset``/``latestOffset``/``partitions``/``commit`` in
 one long-lived Python process on the driver, and ``read`` on executors. The
@@ -58,7 +61,13 @@ from pyspark_persist.options import (
 from pyspark_persist.source import blob_for, freeze_worker_heap
 from pyspark_persist.state import retry
 from pyspark_persist.state.changes import Behind, behind
-from pyspark_persist.state.errors import DataLoss, InvalidFrontier, InvalidUsage, SchemaChanged
+from pyspark_persist.state.errors import (
+    DataLoss,
+    InvalidFrontier,
+    InvalidUsage,
+    SchemaChanged,
+    ShardDropped,
+)
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
 from pyspark_persist.state.parts import TIME, LeasedPart, conform_columns, decode_schema
@@ -86,16 +95,22 @@ class Offset:
     upper: int
     phase: str
     as_of: int | None = None
+    incarnation: str = ""
+    """The shard's incarnation id (``ShardState.incarnation``); ``""``: unknown (an offset
+    checkpointed before incarnations existed, or of a shard created before them)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON Spark checkpoints."""
-        return {
+        d: dict[str, Any] = {
             "shard": self.shard,
             "seqno": self.seqno,
             "upper": self.upper,
             "phase": self.phase,
             "as_of": -1 if self.as_of is None else self.as_of,
         }
+        if self.incarnation:
+            d["incarnation"] = self.incarnation
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], shard: str) -> Offset:
@@ -111,7 +126,14 @@ class Offset:
             phase = str(d["phase"])
             if phase not in ("snapshot", "listen"):
                 raise ValueError(f"phase {phase!r}")
-            return cls(shard, int(d["seqno"]), int(d["upper"]), phase, None if as_of < 0 else as_of)
+            return cls(
+                shard,
+                int(d["seqno"]),
+                int(d["upper"]),
+                phase,
+                None if as_of < 0 else as_of,
+                str(d.get("incarnation", "")),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidUsage(f"persist source: malformed offset {d!r} ({e})") from e
 
@@ -263,7 +285,9 @@ class LeaseHolder:
         """Where a new query starts: before the snapshot, or at the upper for 'latest'."""
         state = self.current_state()
         if self._opts.starting_position == "latest":
-            return Offset(state.shard_id, state.seqno, state.upper, "listen")
+            return Offset(
+                state.shard_id, state.seqno, state.upper, "listen", None, state.incarnation
+            )
         if self._opts.starting_time is not None or self._opts.starting_seqno is not None:
             return self._changes_from(state)
         as_of = self._opts.starting_as_of
@@ -275,7 +299,7 @@ class LeaseHolder:
                 if as_of >= state.upper:
                     raise InvalidFrontier(f"persist source: {e}") from None
                 as_of = self._data_loss(str(e), state.since)
-        return Offset(state.shard_id, 0, 0, "snapshot", as_of)
+        return Offset(state.shard_id, 0, 0, "snapshot", as_of, state.incarnation)
 
     def _changes_from(self, state: ShardState) -> Offset:
         """startingTime T / startingSeqNo S: no snapshot, every change at a time from T on (or
@@ -311,7 +335,7 @@ class LeaseHolder:
                 "together)",
                 state.since + 1,
             )
-        return Offset(state.shard_id, state.seqno, lower, "listen")
+        return Offset(state.shard_id, state.seqno, lower, "listen", None, state.incarnation)
 
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         """The end of the next micro-batch: everything available, cut by the read limit."""
@@ -348,7 +372,7 @@ class LeaseHolder:
             )
             if newer is None:
                 break
-            state = newer
+            state = self.machine.state()  # ShardDropped if ``newer`` is another incarnation's
         self._waited_ms = (time.perf_counter() - began) * 1000
         return state
 
@@ -376,7 +400,9 @@ class LeaseHolder:
 
     def _latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         self.holds.check()
+        self._check_incarnation(start)
         state = self.current_state()
+        incarnation = state.incarnation
         if (
             start.phase == "listen"
             and self.available_now_upper is None
@@ -399,12 +425,24 @@ class LeaseHolder:
             # a cap cuts that time range where the trace's batches end.
             cut = self._cut(state, start.upper, as_of + 1, limit, as_of)
             if cut > as_of:
-                return Offset(state.shard_id, state.seqno, as_of + 1, "listen")
-            return Offset(state.shard_id, state.seqno, cut, "snapshot", as_of)
+                return Offset(state.shard_id, state.seqno, as_of + 1, "listen", None, incarnation)
+            return Offset(state.shard_id, state.seqno, cut, "snapshot", as_of, incarnation)
         if target <= start.upper:
             return start
         end = self._cut(state, start.upper, target, limit)
-        return Offset(state.shard_id, state.seqno, end, "listen")
+        return Offset(state.shard_id, state.seqno, end, "listen", None, incarnation)
+
+    def _check_incarnation(self, *offsets: Offset) -> None:
+        """ShardDropped when an offset (from the checkpoint) names another incarnation of the
+        shard than the one this query opened: the one it read was dropped since."""
+        for offset in offsets:
+            if offset.incarnation and offset.incarnation != self.machine.incarnation:
+                raise ShardDropped(
+                    f"persist source: this query's checkpoint holds offsets of shard "
+                    f"{offset.shard!r} as it was before it was dropped (persist shards drop); "
+                    "the shard of that name now was created again since, and this query never "
+                    "read it. Restart the query with a new checkpointLocation to read it"
+                )
 
     def _cut(
         self, state: ShardState, lower: int, target: int, limit: ReadLimit, as_of: int | None = None
@@ -420,7 +458,9 @@ class LeaseHolder:
         """The newest offset with ``behind``: what is left to read once the micro-batch being
         planned is done (the only figure a Python source can add to Spark's progress)."""
         state = self.machine.state()
-        latest = Offset(state.shard_id, state.seqno, state.upper, "listen").to_dict()
+        latest = Offset(
+            state.shard_id, state.seqno, state.upper, "listen", None, state.incarnation
+        ).to_dict()
         latest["behind"] = self._behind(state, self._last_end).to_dict()
         return latest
 
@@ -448,6 +488,7 @@ class LeaseHolder:
 
     def _plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         self.holds.check()
+        self._check_incarnation(start, end)
         if end.upper <= start.upper and start.phase == "listen":
             return []
         state = self.machine.state()

@@ -55,9 +55,16 @@ adjacent batches, advancing times below ``since``) or GC (delete what no
 reader can need, truncate Consensus below a rollup) is due; a background
 runner executes the requests, off the writer's path.
 
+Dropping a shard (:mod:`.drop`) leaves a tombstone in Consensus; a shard
+created again under the name is a new *incarnation* (an id in its state),
+made on the tombstone so its SeqNos go on from the dropped one's. Every
+handle, listen and lease stays bound to the incarnation it opened and fails
+with :class:`~.errors.ShardDropped` once that one is dropped, never touching
+its successor.
+
 Invariants: ``upper`` and ``since`` only advance; batches tile ``[0, upper)``;
 a part key is written once and never changed; a committed update is never
-lost or applied twice.
+lost or applied twice; a shard's SeqNos never repeat, across drops too.
 
 Memory: a writer holds at most ``B * (2N + 1)`` bytes per batch builder
 (``B`` = ``part_target_bytes``, ``N`` = ``max_outstanding_parts``); a reader

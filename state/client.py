@@ -6,7 +6,9 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import replace as dc_replace
 
 import pyarrow as pa
 
@@ -16,10 +18,12 @@ from .cache import PROCESS_CACHE, StateCache
 from .commands import CriticalSince, create_shard
 from .config import PersistConfig
 from .consensus import CaSCommitted, Consensus, VersionedData, open_consensus
-from .diff import encode
+from .diff import TOMBSTONE, encode
 from .errors import (
+    Indeterminate,
     InvalidUsage,
     SchemaMismatch,
+    ShardDropped,
     ShardExists,
     ShardNotFound,
 )
@@ -124,26 +128,55 @@ class PersistClient:
         )
 
     def machine(self, shard_id: str) -> Machine:
-        """The (one per client) machine applying commands to ``shard_id``."""
+        """The (one per client) machine applying commands to ``shard_id``: the one serving the
+        incarnation this client last opened (see :meth:`open_shard`)."""
         validate_shard_name(shard_id)
         with self._lock:
             m = self._machines.get(shard_id)
             if m is None:
-                m = self._machines[shard_id] = Machine(
-                    shard_id,
-                    self.blob,
-                    self.consensus,
-                    self._cache.get(self._location, shard_id),
-                    self.config,
-                    self.metrics,
-                    self.publisher,
-                    self._clock_ms,
-                    self.maintenance.after_commit,
-                )
-                m.after_run = self.maintenance.backpressure
-                m.shared.confirm_pushes_with(m.fetch_latest)
+                m = self._machines[shard_id] = self._new_machine(shard_id)
+                m.shared.confirm_pushes_with(m.refresh)
                 self.publisher.subscribe(shard_id, m.shared, self.consensus.uri)
             return m
+
+    def _new_machine(self, shard_id: str) -> Machine:
+        """A machine of ``shard_id`` bound to no incarnation yet."""
+        m = Machine(
+            shard_id,
+            self.blob,
+            self.consensus,
+            self._cache.get(self._location, shard_id),
+            self.config,
+            self.metrics,
+            self.publisher,
+            self._clock_ms,
+            self.maintenance.after_commit,
+        )
+        m.after_run = self.maintenance.backpressure
+        return m
+
+    def _replace_machine(self, dropped: Machine) -> Machine:
+        """A fresh machine of ``dropped``'s shard in its place: the handles of the dropped
+        incarnation keep the old one (and its ShardDropped); new ones get this."""
+        with self._lock:
+            m = self._machines.get(dropped.shard_id)
+            if m is dropped or m is None:
+                m = self._machines[dropped.shard_id] = self._new_machine(dropped.shard_id)
+            return m
+
+    def _fetch(self, name: str) -> tuple[Machine, ShardState]:
+        """The machine of shard ``name`` and its newest state; ShardNotFound if there is none
+        (then :meth:`machine` is the one to create it with).
+
+        A machine whose incarnation was dropped is replaced first, so opening a
+        shard after a drop finds the shard of that name now, or none.
+        """
+        machine = self.machine(name)
+        try:
+            return machine, machine.fetch_latest()
+        except ShardDropped:
+            machine = self._replace_machine(machine)
+        return machine, machine.fetch_latest()
 
     @traced("PersistClient.open_shard", lambda _self, name, *_a, **_k: name)
     def open_shard(
@@ -162,11 +195,11 @@ class PersistClient:
         sets the shard's retention period (see state/retention.py), on an
         existing shard too; ``None`` leaves it as it is.
         """
-        machine = self.machine(name)
+        validate_shard_name(name)
         user_schema = None if schema is None else validate_schema(schema)
         retention_ms = None if retention_ms is None else parse_retention(retention_ms)
         try:
-            state = machine.fetch_latest()
+            machine, state = self._fetch(name)
         except ShardNotFound:
             if user_schema is None or not create:
                 raise ShardNotFound(
@@ -177,7 +210,8 @@ class PersistClient:
                         else "open it with create=True to create it"
                     )
                 ) from None
-            state = self._create(machine, user_schema, retention_ms or 0)
+            machine = self.machine(name)
+            state, _ = self._create(machine, user_schema, retention_ms or 0)
         shard = Shard(self, machine)
         if user_schema is not None and not user_schema.equals(shard.schema):
             raise SchemaMismatch(schema_mismatch_message(name, shard.schema, user_schema))
@@ -189,32 +223,76 @@ class PersistClient:
     def create_shard(
         self, name: str, schema: pa.Schema, *, retention_ms: int | str | None = None
     ) -> Shard:
-        """Create a new shard; ShardExists if the name is taken."""
-        machine = self.machine(name)
+        """Create a new shard; ShardExists if the name is taken (by anyone but this call: a
+        creation whose reply was lost and that is found landed is this call's)."""
+        validate_shard_name(name)
         user_schema = validate_schema(schema)
         retention = 0 if retention_ms is None else parse_retention(retention_ms)
         try:
-            machine.fetch_latest()
+            self._fetch(name)
         except ShardNotFound:
-            self._create(machine, user_schema, retention)
-            return Shard(self, machine)
+            machine = self.machine(name)
+            _, created = self._create(machine, user_schema, retention)
+            if created:
+                return Shard(self, machine)
         raise ShardExists(
             f"shard {name!r} already exists in consensus {self.consensus.uri}: open it with "
             "open_shard, or choose another name"
         )
 
-    def _create(self, machine: Machine, schema: pa.Schema, retention_ms: int = 0) -> ShardState:
-        diff = create_shard(machine.shard_id, encode_schema(schema), self._clock_ms(), retention_ms)
-        row = VersionedData(diff.to_seqno, encode(diff))
-        res = self.consensus.compare_and_set(machine.shard_id, None, row)
-        if isinstance(res, CaSCommitted):
-            self.publisher.push(machine.shard_id, row.seqno)
-        # Committed or lost the race to a concurrent creator: either way it exists now.
-        return machine.fetch_latest()
+    def _create(
+        self, machine: Machine, schema: pa.Schema, retention_ms: int = 0
+    ) -> tuple[ShardState, bool]:
+        """Create ``machine``'s shard (on the tombstone of a dropped one of its name, if any);
+        return its state and whether this call created it (else a racing creator did).
+
+        The shard gets a fresh incarnation id. A compare-and-set whose reply is lost,
+        or a store that is briefly unavailable, is retried until ``retry_timeout_s``:
+        each attempt first looks at the head, so one whose predecessor landed finds
+        the shard (with this call's incarnation id) and stops.
+        """
+        name = machine.shard_id
+        incarnation = uuid.uuid4().hex
+        encoded = encode_schema(schema)
+        now_ms = self._clock_ms()
+
+        def attempt() -> None:
+            head = self.consensus.head(name)
+            if head is not None and head.data != TOMBSTONE:
+                return  # created (by an earlier attempt, or a racing creator), or being dropped
+            expected = None if head is None else head.seqno
+            diff = create_shard(
+                name,
+                encoded,
+                now_ms,
+                incarnation=incarnation,
+                retention_ms=retention_ms,
+                after_seqno=expected or 0,
+            )
+            row = VersionedData(diff.to_seqno, encode(diff))
+            res = self.consensus.compare_and_set(name, expected, row)
+            if isinstance(res, CaSCommitted):
+                self.publisher.push(name, row.seqno)
+            # Else a racing creator won: its shard exists now.
+
+        retry.call(
+            attempt,
+            store=f"consensus {self.consensus.uri}",
+            what=f"creating shard {name!r}",
+            transient=lambda e: isinstance(e, Indeterminate) or retry.is_transient(e),
+            policy=dc_replace(retry.DEFAULT_POLICY, deadline_s=self.config.retry_timeout_s),
+        )
+        state = machine.fetch_latest()
+        return state, state.incarnation == incarnation
 
     def list_shards(self) -> list[str]:
-        """The names of every shard in this Consensus."""
-        return sorted(self.consensus.list_keys())
+        """The names of every shard in this Consensus (a dropped shard's tombstone is none)."""
+        names = []
+        for key in self.consensus.list_keys():
+            head = self.consensus.head(key)
+            if head is not None and head.data != TOMBSTONE:
+                names.append(key)
+        return sorted(names)
 
     def pubsub_metrics(self) -> dict[str, float]:
         """PubSub counters of this client's publisher plus its listens' fallback polls."""

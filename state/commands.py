@@ -81,10 +81,24 @@ class AlreadyCommitted:
 AppendResult = Committed | UpperMismatch | AlreadyCommitted
 
 
-def create_shard(shard_id: str, schema: bytes, now_ms: int, retention_ms: int = 0) -> StateDiff:
-    """The diff that brings a new shard from nothing to SeqNo 1."""
-    b = DiffBuilder(EMPTY_STATE).set(shard_id=shard_id, schema=schema, created_ms=now_ms)
-    return b.set(retention_ms=retention_ms or None).build()
+def create_shard(
+    shard_id: str,
+    schema: bytes,
+    now_ms: int,
+    *,
+    incarnation: str,
+    retention_ms: int = 0,
+    after_seqno: int = 0,
+) -> StateDiff:
+    """The diff that creates a shard: from nothing (SeqNo 0) to SeqNo 1, or on top of the
+    tombstone a drop left at ``after_seqno``, so the new shard's SeqNos go on from there.
+
+    ``incarnation`` is the id minted for this creation (see ``ShardState.incarnation``);
+    GC starts from ``after_seqno``, as nothing of this shard lies below it.
+    """
+    b = DiffBuilder(dc_replace(EMPTY_STATE, seqno=after_seqno))
+    b.set(shard_id=shard_id, schema=schema, created_ms=now_ms, incarnation=incarnation)
+    return b.set(retention_ms=retention_ms or None, last_gc_seqno=after_seqno or None).build()
 
 
 def compare_and_append(

@@ -69,6 +69,7 @@ class DiffBuilder:
         created_ms: int | None = None,
         last_gc_seqno: int | None = None,
         retention_ms: int | None = None,
+        incarnation: str | None = None,
     ) -> DiffBuilder:
         """Set scalar fields (``None``: leave as is); only values that change enter the diff,
         so no-op diffs stay empty."""
@@ -80,6 +81,7 @@ class DiffBuilder:
             "created_ms": created_ms,
             "last_gc_seqno": last_gc_seqno,
             "retention_ms": retention_ms,
+            "incarnation": incarnation,
         }
         for name, value in given.items():
             if value is not None and getattr(self._state, name) != value:
@@ -203,24 +205,32 @@ def encode(diff: StateDiff) -> bytes:
 
 def row_checksum(data: bytes) -> int | None:
     """The CRC-32 an encoded diff carries in its header (None for anything else, such as
-    :data:`DROPPED`): what tells one Consensus row from another at the same SeqNo."""
+    :data:`FENCE`): what tells one Consensus row from another at the same SeqNo."""
     if len(data) < _HEADER.size or data[:3] != _MAGIC:
         return None
     return int(_HEADER.unpack_from(data)[2])
 
 
-DROPPED = b"pyspark-persist: dropped shard"
-"""The data of the last row a drop appends (:mod:`.drop`): not a diff, so no process can build
-on it, and :func:`decode` reports the shard as gone."""
+FENCE = b"pyspark-persist: dropped shard"
+"""The data of the row a drop appends first (:mod:`.drop`): not a diff, so no process can build
+on it, and :func:`decode` reports the shard as being dropped. (The bytes earlier versions wrote
+for their one drop row, so a drop they left half done reads as being dropped too.)"""
+
+TOMBSTONE = b"pyspark-persist: shard dropped; its name is free"
+"""The row a finished drop leaves as the only one of its shard's key (:mod:`.drop`): the shard
+does not exist, and the next shard of that name is created on top of it, so its SeqNos go on
+from the dropped one's and never repeat a SeqNo a handle of the dropped one may still hold."""
 
 
 def decode(data: bytes, *, where: str) -> StateDiff:
     """Decode what :func:`encode` wrote; ``where`` names the row or object for errors."""
-    if data == DROPPED:
+    if data == FENCE:
         raise ShardNotFound(
             f"{where}: the shard is being dropped (persist shards drop); open it again once "
             "the drop is done to create a new shard of that name"
         )
+    if data == TOMBSTONE:
+        raise ShardNotFound(f"{where}: the shard was dropped (persist shards drop)")
     if len(data) < _HEADER.size:
         raise CorruptData(f"{where}: state data is truncated ({len(data)} bytes)")
     magic, version, crc = _HEADER.unpack_from(data)

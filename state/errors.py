@@ -70,6 +70,16 @@ class ShardNotFound(InvalidUsage):
     """The named shard does not exist in this Consensus."""
 
 
+class ShardDropped(ShardNotFound):
+    """The shard a handle, reader, listen, lease or Spark query was opened on has been dropped.
+
+    Each creation of a shard is a new incarnation, with an id of its own in
+    its state; a handle stays bound to the incarnation it opened and never
+    reads from or writes to one created later under the same name. Open the
+    shard again (a streaming query: restart it with a new checkpointLocation).
+    """
+
+
 class ShardInUse(InvalidUsage):
     """Readers hold the shard (a live lease or a critical since), so it was not dropped."""
 

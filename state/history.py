@@ -30,11 +30,11 @@ from typing import Any
 
 from .blob import Blob
 from .consensus import Consensus
-from .diff import decode
+from .diff import TOMBSTONE, decode
 from .errors import CorruptData, InvalidFrontier, ShardNotFound
 from .parts import decode_schema
-from .state import EMPTY_STATE, Batch, PartRef, ShardState, StateDiff
-from .versions import rollup_key
+from .state import Batch, PartRef, ShardState, StateDiff
+from .versions import history_start
 
 
 @dataclass(frozen=True)
@@ -75,17 +75,12 @@ def replay(shard_id: str, consensus: Consensus, blob: Blob) -> Replay:
     """
     for _ in range(10):
         rows = consensus.scan(shard_id, 0)
-        if not rows:
+        if not rows or rows[-1].data == TOMBSTONE:
             raise ShardNotFound(f"shard {shard_id!r} does not exist in consensus {consensus.uri}")
-        first = rows[0]
-        if first.seqno == 1:
-            base, todo = EMPTY_STATE, rows
-        else:
-            data = blob.get(rollup_key(shard_id, first.seqno))
-            if data is None:
-                continue  # truncated past ``first`` meanwhile: scan again
-            base = EMPTY_STATE.apply(decode(data, where=f"rollup of {shard_id!r}"))
-            todo = rows[1:]
+        start = history_start(shard_id, rows, blob)
+        if start is None:
+            continue  # truncated past the oldest row meanwhile: scan again
+        base, todo, _ = start
         steps = []
         state = base
         for row in todo:
@@ -167,7 +162,7 @@ def _sign(p: PartRef) -> int:
 def commit_of(step: Step) -> Commit | None:
     """The commit ``step`` made, or None when it changed no data (a pure function)."""
     before, after, diff = step.before, step.after, step.diff
-    if before.seqno == 0:
+    if not before.shard_id:  # the empty state a shard is created from (at SeqNo 0 or a tombstone)
         return Commit(step.seqno, "create", after.created_ms or None, None, 0, 0, 0)
     puts, dels = diff.maps.get("batches", ({}, frozenset()))
     if not puts and not dels:

@@ -8,6 +8,17 @@ for idempotent commands, whose re-evaluation against fresher state answers
 whether the earlier attempt landed. After a success the new state goes into
 the process's :class:`~pyspark_persist.state.cache.SharedState` (waking
 in-process listeners) and its SeqNo is pushed, best effort, to PubSub.
+
+A machine serves one *incarnation* of its shard: the one of the first state
+it loads (``ShardState.incarnation``, minted when the shard was created).
+Once the shard is dropped, every call raises :class:`ShardDropped`, even
+after a shard of the same name was created again: a state of another
+incarnation is never computed on nor handed out (it is still put in the
+shared cache, for the machines that serve it). A drop leaves a tombstone
+that the next shard of the name is created on, so that one's SeqNos are
+past every SeqNo of the dropped one, and a compare-and-set computed on the
+dropped shard can never land in it. ``PersistClient.open_shard`` gives a
+fresh machine once the old one's shard is dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from .commands import Apply, Refuse, add_rollup
 from .config import PersistConfig
 from .consensus import CaSCommitted, Consensus, VersionedData
 from .diff import encode
-from .errors import Determinate, Indeterminate, ShardNotFound
+from .errors import Determinate, Indeterminate, ShardDropped, ShardNotFound
 from .state import ShardState
 from .versions import load_state, remember_head, write_rollup
 
@@ -159,14 +170,40 @@ class Machine:
         self._cas_lock = threading.RLock()  # reentrant: a commit may write a rollup via run()
         self.after_run: Callable[[Machine], None] | None = None
         """Called after each run, outside the lock (compaction backpressure)."""
+        self._incarnation: str | None = None
+        self._bind_lock = threading.Lock()
+
+    @property
+    def incarnation(self) -> str | None:
+        """The incarnation this machine serves (``None`` until it first loads a state)."""
+        return self._incarnation
 
     def state(self) -> ShardState:
-        """The newest state this process knows of, loading it on first use."""
+        """The newest state of this machine's incarnation this process knows of, loading it on
+        first use (or when the cache holds another incarnation's: Consensus decides)."""
         state = self.shared.state
-        return state if state is not None else self.fetch_latest()
+        if state is not None and self._incarnation in (None, state.incarnation):
+            return self._own(state)
+        return self.fetch_latest()
 
     def fetch_latest(self) -> ShardState:
-        """Read the diffs this process has not seen from Consensus (a poll) and install them."""
+        """Read the diffs this process has not seen from Consensus (a poll) and install them.
+
+        ShardDropped when this machine's incarnation is gone (dropped, being
+        dropped, or replaced by a shard created again under its name).
+        """
+        try:
+            state = self.refresh()
+        except ShardNotFound as e:
+            if self._incarnation is None or isinstance(e, ShardDropped):
+                raise
+            raise self._dropped() from e
+        return self._own(state)
+
+    def refresh(self) -> ShardState:
+        """Install Consensus's newest state of the shard in the shared cache, whatever its
+        incarnation, and return it: how PubSub pushes are confirmed (they serve every
+        machine of the shard in this process). ShardNotFound when there is none."""
         self.metrics.incr(Count.CONSENSUS_FETCHES)
         cached = self.shared.state
         with retry.deadline_in(self.config.retry_timeout_s):
@@ -177,11 +214,13 @@ class Machine:
             raise self._not_found()
         if cached is not None and state is not cached and state.seqno <= cached.seqno:
             # Not newer, yet not the cached state: Consensus no longer continues the cached
-            # history (the shard was dropped and created again), and what it holds now wins.
+            # history (a shard dropped and created again before drops left a tombstone, or
+            # with SeqNos restarted by an older version), and what it holds now wins.
             self.shared.replace(state)
             return state
         self.shared.update(state)
-        return self.shared.state or state
+        newest = self.shared.state
+        return newest if newest is not None and newest.incarnation == state.incarnation else state
 
     def reload(self) -> ShardState:
         """Read the whole state from Consensus, ignoring (and replacing) what this process held.
@@ -190,18 +229,43 @@ class Machine:
         reported a head that is not ahead of it, which Consensus alone never does.
         """
         self.metrics.incr(Count.CONSENSUS_FETCHES)
-        with retry.deadline_in(self.config.retry_timeout_s):
-            state = load_state(self.shard_id, self.consensus, self.blob, None)
+        try:
+            with retry.deadline_in(self.config.retry_timeout_s):
+                state = load_state(self.shard_id, self.consensus, self.blob, None)
+        except ShardNotFound as e:
+            if self._incarnation is None:
+                raise
+            raise self._dropped() from e
         if state is None:
-            self.shared.forget()  # dropped (see fetch_latest)
-            raise self._not_found()
+            self.shared.forget()  # dropped (see refresh)
+            raise self._not_found() if self._incarnation is None else self._dropped()
         self.shared.replace(state)
+        return self._own(state)
+
+    def _own(self, state: ShardState) -> ShardState:
+        """``state``, if it is of this machine's incarnation (binding an unbound machine to
+        it); ShardDropped if it is another's."""
+        if self._incarnation is None:
+            with self._bind_lock:
+                if self._incarnation is None:
+                    self._incarnation = state.incarnation
+        if state.incarnation != self._incarnation:
+            raise self._dropped()
         return state
 
     def _not_found(self) -> ShardNotFound:
         return ShardNotFound(
             f"shard {self.shard_id!r} does not exist in consensus {self.consensus.uri}: "
             "create it (open_shard with a schema and create=True) or check the name and URIs"
+        )
+
+    def _dropped(self) -> ShardDropped:
+        return ShardDropped(
+            f"shard {self.shard_id!r} in consensus {self.consensus.uri} was dropped (persist "
+            "shards drop) after this handle, reader, listen or query opened it; it never reads "
+            "from or writes to a shard created again under that name. Open the shard again "
+            "(open_shard) to use the shard of that name now; restart a streaming query that "
+            "read it with a new checkpointLocation"
         )
 
     def run(

@@ -60,7 +60,7 @@ from . import commands, retention
 from .config import PersistConfig
 from .consensus import VersionedData
 from .diff import decode
-from .errors import PartNotFound, PersistError
+from .errors import PartNotFound, PersistError, ShardDropped
 from .machine import Machine, RunInfo
 from .parts import (
     MAX_TIME,
@@ -720,6 +720,10 @@ class Maintenance:
         for reader in readers:
             try:
                 reader.heartbeat()
+            except ShardDropped as e:
+                with self._lock:
+                    self._readers.discard(reader)  # its shard is gone for good: stop beating
+                log.info("reader %s: %s", reader.reader_id, e)
             except PersistError as e:
                 log.info(
                     "reader %s of shard %s: heartbeat failed: %s",

@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from . import commands
 from .blob import Blob
-from .errors import InvalidFrontier, LeaseExpired
+from .errors import InvalidFrontier, LeaseExpired, PartNotFound, ShardDropped
 from .machine import Count, Machine
 from .parts import (
     TIME_TYPE,
@@ -277,7 +277,12 @@ class ReadHandle:
         if self._expired:
             return
         self._expired = True
-        self._machine.run(lambda s: commands.expire_leased_readers(s, reader_ids=(self.reader_id,)))
+        try:
+            self._machine.run(
+                lambda s: commands.expire_leased_readers(s, reader_ids=(self.reader_id,))
+            )
+        except ShardDropped:
+            pass  # its holds went with the shard
 
     def __enter__(self) -> ReadHandle:
         return self
@@ -340,6 +345,9 @@ class ReadHandle:
             yield from iter_parts(
                 self._machine.blob, snap.parts, self._machine.config.read_batch_rows, self.schema
             )
+        except PartNotFound:
+            self._machine.fetch_latest()  # ShardDropped if that is why the part is gone
+            raise
         finally:
             self.release(snap.seqno)
 
@@ -388,7 +396,11 @@ class ReadHandle:
         process knows), then ``_time`` and ``_diff``; see :func:`iter_parts`.
         """
         schema = self.schema if schema is None else schema
-        tables = list(iter_parts(self._machine.blob, parts, schema=schema))
+        try:
+            tables = list(iter_parts(self._machine.blob, parts, schema=schema))
+        except PartNotFound:
+            self._machine.fetch_latest()  # ShardDropped if that is why the part is gone
+            raise
         return pa.concat_tables(tables) if tables else data_schema(schema).empty_table()
 
 
@@ -476,9 +488,10 @@ class Listen:
             if deadline is not None and now >= deadline:
                 return None
             until = self._poll_at if deadline is None else min(self._poll_at, deadline)
-            woke = shared.wait_for_seqno_after(state.seqno, until - now)
-            if woke is not None:
-                state = woke
+            if shared.wait_for_seqno_after(state.seqno, until - now) is not None:
+                # Newer, but maybe another incarnation's (a shard created again under the
+                # name): state() hands out only this listen's, else raises ShardDropped.
+                state = self._machine.state()
         self._poll_delay, self._poll_at = 0.0, None  # news: restart the backoff
         self._queue_events(state)
         return self._pending.popleft() if self._pending else None

@@ -298,6 +298,7 @@ SCALARS: tuple[str, ...] = (
     "created_ms",
     "last_gc_seqno",
     "retention_ms",
+    "incarnation",
 )
 """The scalar fields of ShardState that a diff may set (seqno is the diff's own)."""
 
@@ -316,6 +317,10 @@ class ShardState:
     retention_ms: int = 0
     """How far behind the clock maintenance keeps since (0: no retention, readers alone move it);
     see :mod:`pyspark_persist.state.retention`."""
+    incarnation: str = ""
+    """The id minted when this shard was created: a shard dropped and created again under its
+    name is another incarnation, and a handle bound to one never touches the other (``""``: a
+    shard created before incarnations existed)."""
     batches: Mapping[str, Batch] = field(default_factory=lambda: EMPTY_MAP)
     writers: Mapping[str, WriterState] = field(default_factory=lambda: EMPTY_MAP)
     leased_readers: Mapping[str, LeasedReaderState] = field(default_factory=lambda: EMPTY_MAP)

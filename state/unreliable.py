@@ -65,7 +65,7 @@ BLOB_OPS: frozenset[str] = frozenset({"get", "set", "delete", "list_keys", "stat
 CONSENSUS_OPS: frozenset[str] = frozenset(
     {"head", "compare_and_set", "scan", "truncate", "list_keys"}
 )
-MUTATING_OPS: frozenset[str] = frozenset({"set", "delete", "compare_and_set", "truncate", "drop"})
+MUTATING_OPS: frozenset[str] = frozenset({"set", "delete", "compare_and_set", "truncate"})
 """Operations whose effect can land even though the caller sees an error."""
 
 
@@ -273,10 +273,6 @@ class UnreliableConsensus(_Unreliable, Consensus):
         return self._injector.call(
             "consensus", "truncate", key, lambda: self.inner.truncate(key, seqno)
         )
-
-    def drop(self, key: str, seqno: SeqNo) -> int:
-        """The inner ``drop``, possibly failing first or losing its reply."""
-        return self._injector.call("consensus", "drop", key, lambda: self.inner.drop(key, seqno))
 
     def list_keys(self) -> list[str]:
         """The inner ``list_keys``, possibly failing first."""

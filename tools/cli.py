@@ -449,6 +449,7 @@ def inspect_shard(client: PersistClient, shard: Shard, pubsub: str | None = None
         "last_gc_seqno": state.last_gc_seqno,
         "rollups": sorted(state.rollups),
         "created_ms": state.created_ms,
+        "incarnation": state.incarnation,
         "retention_ms": state.retention_ms,
         "totals": {
             "batches": len(batches),
@@ -506,7 +507,7 @@ def format_inspect(info: dict[str, Any]) -> str:
     t = info["totals"]
     lo, hi = info["seqno_range"]
     lines = [
-        f"shard      {info['name']}",
+        f"shard      {info['name']} (incarnation {info['incarnation'] or '-'})",
         f"location   blob {info['blob']}",
         f"           consensus {info['consensus']}",
         f"schema     {', '.join(info['schema'])}",

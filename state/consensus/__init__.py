@@ -19,10 +19,10 @@ Contract:
 - ``scan(key, from_seqno, limit)``: rows with SeqNo >= ``from_seqno`` in order.
 - ``truncate(key, seqno)``: deletes rows with SeqNo < ``seqno``; refuses (raises
   InvalidUsage) to delete the head. Returns the number deleted.
-- ``drop(key, seqno)``: deletes every row of ``key``, head included, iff the
-  head is ``seqno``; returns the number deleted (0 when the head is another).
-  Only dropping a shard uses it, after fencing the shard with a last row
-  no process can build on (:mod:`pyspark_persist.state.drop`).
+- ``list_keys()``: every key with at least one row.
+
+A key's rows are never all deleted: dropping a shard leaves a tombstone row
+(:mod:`pyspark_persist.state.drop`), so a key's SeqNos never start again at 1.
 
 Backends, by URI scheme, through :func:`open_consensus` (the table is in
 :mod:`pyspark_persist.state.registry`): ``sqlite:///path``
@@ -96,10 +96,6 @@ class Consensus(ABC):
     @abstractmethod
     def truncate(self, key: str, seqno: SeqNo) -> int:
         """Delete rows with SeqNo < ``seqno`` (never the head); return how many were deleted."""
-
-    @abstractmethod
-    def drop(self, key: str, seqno: SeqNo) -> int:
-        """Delete every row of ``key`` iff its head is ``seqno``; return how many were deleted."""
 
     @abstractmethod
     def list_keys(self) -> list[str]:

@@ -129,15 +129,6 @@ class MemConsensus(Consensus):
             del rows[:cut]
             return cut
 
-    def drop(self, key: str, seqno: SeqNo) -> int:
-        """Delete every row of ``key`` iff its head is ``seqno``, under the store's lock."""
-        with self._store.lock:
-            rows = self._store.rows.get(key)
-            if not rows or rows[-1].seqno != seqno:
-                return 0
-            del self._store.rows[key]
-            return len(rows)
-
     def list_keys(self) -> list[str]:
         """Return every key with at least one row, sorted."""
         with self._store.lock:

@@ -201,15 +201,6 @@ class _Statements:
             seqno < at_or_above,
             exists(select(literal_column("1")).where(mine, seqno >= at_or_above)),
         )
-        # drop: every row of the shard, iff the head is exactly ``seqno``, in one statement.
-        head_is = bindparam("seqno", type_=BigInteger)
-        other = table.alias("head")
-        theirs = other.c.shard == shard
-        self.drop = delete(table).where(
-            mine,
-            exists(select(literal_column("1")).where(theirs, other.c.sequence_number == head_is)),
-            ~exists(select(literal_column("1")).where(theirs, other.c.sequence_number > head_is)),
-        )
         self.list_keys = select(table.c.shard).distinct()
         self.create = CreateTable(table, if_not_exists=True)
 
@@ -382,14 +373,6 @@ class SqlConsensus(Consensus):
                     f"truncate({key!r}, {seqno}) would delete the head (head SeqNo: {head})"
                 )
         return deleted
-
-    def drop(self, key: str, seqno: SeqNo) -> int:
-        """Delete every row of ``key`` iff its head is ``seqno``: one guarded DELETE."""
-
-        def work(conn: Connection) -> int:
-            return conn.execute(self._stmts.drop, {"shard": key, "seqno": seqno}).rowcount
-
-        return self._run(work, write=True, what=f"dropping {key!r}", no_table=lambda: 0)
 
     def list_keys(self) -> list[str]:
         """Return every key with at least one row, sorted by code point.

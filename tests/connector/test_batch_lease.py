@@ -22,7 +22,8 @@ from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.consensus import open_consensus
-from pyspark_persist.state.errors import LeaseExpired
+from pyspark_persist.state.drop import drop_shard
+from pyspark_persist.state.errors import LeaseExpired, ShardDropped
 
 SCHEMA = pa.schema([("id", pa.int64())])
 ROWS_PER_BATCH = 1_000
@@ -138,3 +139,20 @@ def test_tasks_that_start_soon_after_planning_touch_no_consensus(job: Job) -> No
     job.now_ms += 2_000  # 21 s after planning: the next task extends the lease
     assert _ids(reader, partitions[0])
     assert job.shard.machine.fetch_latest().seqno == seqno + 1
+
+
+def test_a_task_of_a_read_whose_shard_was_dropped_fails_with_shard_dropped(job: Job) -> None:
+    """The shard is dropped and created again under its name between planning and a task's
+    heartbeat: the task fails with ShardDropped naming the shard, and heartbeats nothing in
+    the new shard. Before the fix it heartbeated the new shard, where its reader was never
+    registered, and failed with LeaseExpired telling the user to lengthen leaseSeconds."""
+    reader = job.reader()
+    partitions = reader.partitions()
+    drop_shard(job.client.consensus, job.client.blob, "events", now_ms=job.now_ms, force=True)
+    again = job.client.open_shard("events", SCHEMA)
+    again.writer().append(pa.table({"id": [-5]}))
+    seqno = again.state().seqno
+    job.now_ms += 21_000  # past a third of the lease: the task heartbeats before reading
+    with pytest.raises(ShardDropped, match="'events' was dropped"):
+        _ids(reader, partitions[0])
+    assert again.state().seqno == seqno and dict(again.state().leased_readers) == {}

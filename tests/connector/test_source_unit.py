@@ -10,6 +10,7 @@ milliseconds. ``tests/test_source_spark.py`` checks the same paths end to end.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -29,7 +30,8 @@ from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, Shard
 from pyspark_persist.state.cache import SharedState
-from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.state.drop import drop_shard
+from pyspark_persist.state.errors import InvalidUsage, ShardDropped
 from pyspark_persist.stream_reader import (
     DataLoss,
     LeaseHolder,
@@ -763,3 +765,36 @@ def test_a_process_spark_s_daemon_did_not_fork_is_never_frozen() -> None:
         print("ok")
         """
     )
+
+
+def test_a_query_whose_offsets_name_a_dropped_shard_fails_with_shard_dropped() -> None:
+    """The shard a streaming query reads is dropped and created again under its name: the
+    running query, and the query restarted from its checkpoint, fail with ShardDropped and
+    emit nothing of the new shard; a query with a new checkpoint reads the new shard. Before
+    the fix both went on reading the new shard as if it continued the dropped one."""
+    env = Env()
+    env.write(rows(range(10)))
+    running = env.reader()
+    end, out, _ = micro_batch(running, running.initialOffset())
+    assert len(out) == 10 and end["incarnation"] == env.shard.state().incarnation
+    name = env.base["shard"]
+    drop_shard(
+        env.client.consensus, env.client.blob, name, now_ms=time.time_ns() // 10**6, force=True
+    )
+    again = env.client.open_shard(name, SCHEMA)
+    for k in range(2):
+        again.writer().compare_and_append(rows(range(100 * (k + 1), 100 * (k + 1) + 10)), k, k + 1)
+
+    with pytest.raises(ShardDropped, match=repr(name)):
+        running.latestOffset(end, ReadAllAvailable())
+    running.stop()
+    restarted = env.reader()
+    with pytest.raises(ShardDropped, match="new checkpointLocation"):
+        restarted.latestOffset(end, ReadAllAvailable())
+    with pytest.raises(ShardDropped, match="new checkpointLocation"):
+        restarted.partitions(end, {**end, "upper": 2})
+    restarted.stop()
+    fresh = env.reader()
+    _, batches = drain(fresh, fresh.initialOffset())
+    assert sorted(r["id"] for b in batches for r in b) == [*range(100, 110), *range(200, 210)]
+    fresh.stop()

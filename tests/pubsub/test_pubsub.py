@@ -124,8 +124,6 @@ CHILD = textwrap.dedent(
             return self.inner.scan(key, from_seqno, limit)
         def truncate(self, key, seqno):
             return self.inner.truncate(key, seqno)
-        def drop(self, key, seqno):
-            return self.inner.drop(key, seqno)
         def list_keys(self):
             self.reads += 1
             return self.inner.list_keys()

@@ -161,21 +161,6 @@ def test_truncate_deletes_below_and_never_the_head(consensus: Consensus) -> None
     assert seqnos(consensus, key) == [5, 6]
 
 
-def test_drop_deletes_every_row_only_at_the_named_head(consensus: Consensus) -> None:
-    key, other = new_key(), new_key()
-    append(consensus, key, b"1", b"2", b"3")
-    append(consensus, other, b"x")
-    consensus.truncate(key, 2)
-    assert consensus.drop(key, 2) == 0  # 3 is the head: nothing deleted
-    assert seqnos(consensus, key) == [2, 3]
-    assert consensus.drop(key, 3) == 2
-    assert consensus.head(key) is None and consensus.scan(key, 0) == []
-    assert key not in consensus.list_keys() and seqnos(consensus, other) == [1]
-    assert consensus.drop(key, 3) == 0  # idempotent
-    assert consensus.compare_and_set(key, None, VersionedData(1, b"new")) == CaSCommitted()
-    assert seqnos(consensus, key) == [1]
-
-
 def test_list_keys(consensus: Consensus) -> None:
     a, b, unused = new_key(), new_key(), new_key()
     append(consensus, a, b"x")

@@ -186,7 +186,9 @@ def test_expired_run_folds_the_leading_batches_since_has_passed(
 
 
 def test_set_retention_is_a_state_change_that_survives_encoding_and_rollups() -> None:
-    created = EMPTY_STATE.apply(decode(encode(create_shard("s", b"x", 1, 7 * D)), where="t"))
+    created = EMPTY_STATE.apply(
+        decode(encode(create_shard("s", b"x", 1, incarnation="i", retention_ms=7 * D)), where="t")
+    )
     assert created.retention_ms == 7 * D
     assert set_retention(created, retention_ms=7 * D) == Refuse(7 * D)
     outcome = set_retention(created, retention_ms=12 * H)
@@ -197,7 +199,7 @@ def test_set_retention_is_a_state_change_that_survives_encoding_and_rollups() ->
     with pytest.raises(InvalidUsage):
         set_retention(created, retention_ms=-1)
     # A shard created without retention (and every state written before it existed) has none.
-    assert EMPTY_STATE.apply(create_shard("s", b"x", 1)).retention_ms == 0
+    assert EMPTY_STATE.apply(create_shard("s", b"x", 1, incarnation="i")).retention_ms == 0
 
 
 # --- a long run on the mem backend with a fake clock ---------------------------------------------

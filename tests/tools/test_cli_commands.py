@@ -23,6 +23,7 @@ import pytest
 from test_cli import SHARD, home, run, stored  # noqa: F401 - home is a fixture
 
 from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state.diff import TOMBSTONE
 from pyspark_persist.tools import cli
 
 
@@ -137,8 +138,9 @@ def _answer(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
 
 
 def _events_gone(home: Path) -> bool:
+    """Nothing of the shard is left but the drop's tombstone row."""
     after = stored(home)
-    return SHARD not in after["consensus"] and not any(
+    return [data for _, data in after["consensus"][SHARD]] == [TOMBSTONE] and not any(
         k.startswith(f"{SHARD}/") for k, _ in after["blob"]
     )
 
