@@ -46,7 +46,7 @@ from pyspark_persist.schema import sink_schema, write_schema
 from pyspark_persist.source import blob_for, client_for, freeze_worker_heap, open_shard
 from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
 from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.errors import InvalidUsage, ShardNotFound
+from pyspark_persist.state.errors import InvalidUsage, ShardDropped, ShardNotFound
 from pyspark_persist.state.parts import (
     ARROW,
     ARROW_ROWS,
@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "persist-sink-metrics.jsonl"
 """Per-micro-batch sink figures, appended (one JSON object a line) in the checkpoint directory."""
+SHARD_RECORD = "persist-sink-shard.json"
+"""Which incarnation of its shard a streaming query writes, kept in its checkpoint directory:
+``{"shard": name, "incarnation": id}``, written by the query's first micro-batch."""
 
 
 @dataclass
@@ -153,15 +156,64 @@ def checkpoint_query_id(location: str) -> str:
 
 def _read_remote(uri: str) -> bytes:
     """The first line of a file on a file system Arrow knows (see checkpoint_query_id)."""
+    fs, path = _remote(uri)
+    with fs.open_input_stream(path) as f:
+        data: bytes = f.read()
+    return data.split(b"\n", 1)[0]
+
+
+def _remote(uri: str) -> tuple[Any, str]:
+    """Arrow's file system for ``uri`` (Hadoop's S3 names taken as ``s3://``) and the path in it."""
     import pyarrow.fs
 
     for alias in _S3_ALIASES:
         if uri.startswith(alias):
             uri = "s3://" + uri.removeprefix(alias)
-    fs, path = pyarrow.fs.FileSystem.from_uri(uri)
-    with fs.open_input_stream(path) as f:
-        data: bytes = f.read()
-    return data.split(b"\n", 1)[0]
+    return pyarrow.fs.FileSystem.from_uri(uri)
+
+
+def recorded_incarnation(location: str, shard: str) -> str | None:
+    """The incarnation of ``shard`` the streaming query of checkpoint ``location`` writes, as its
+    first micro-batch recorded it (:data:`SHARD_RECORD`); ``None`` before that, or when the
+    query wrote another shard then (a query renamed to write elsewhere starts afresh)."""
+    uri = location.rstrip("/") + "/" + SHARD_RECORD
+    path = uri.removeprefix("file://").removeprefix("file:")
+    try:
+        if "://" not in path:
+            with open(path, "rb") as f:
+                raw = f.read()
+        else:
+            raw = _read_remote(uri)
+        record = json.loads(raw)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, pa.ArrowException) as e:
+        if isinstance(e, OSError) and "not found" in str(e).lower():
+            return None  # Arrow's file systems say so in the message
+        raise InvalidUsage(
+            f"persist sink: cannot read {uri} ({type(e).__name__}: {e}), which records the "
+            "shard incarnation this query writes; make the checkpoint readable from the "
+            "driver's Python, or start the query with a new checkpointLocation"
+        ) from None
+    if not isinstance(record, dict) or record.get("shard") != shard:
+        return None
+    return str(record.get("incarnation", ""))
+
+
+def record_incarnation(location: str, shard: str, incarnation: str) -> None:
+    """Write :data:`SHARD_RECORD` in checkpoint ``location`` (whole or not at all)."""
+    uri = location.rstrip("/") + "/" + SHARD_RECORD
+    data = json.dumps({"shard": shard, "incarnation": incarnation}).encode()
+    path = uri.removeprefix("file://").removeprefix("file:")
+    if "://" not in path:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return
+    fs, remote = _remote(uri)
+    with fs.open_output_stream(remote) as out:  # object stores make it visible whole at close
+        out.write(data)
 
 
 @dataclass(frozen=True)
@@ -174,10 +226,19 @@ class SinkSchema:
     """The DataFrame carries its own ``_diff`` column."""
     evolves: bool
     """The write adds columns: its commit carries ``staged`` to add them in the same step."""
+    incarnation: str
+    """The incarnation of the shard checked against: the commit refuses any other one."""
 
 
-def _prepare_shard(opts: PersistOptions, schema: StructType) -> SinkSchema:
-    """Create the shard on first write, or check the DataFrame against it; before any task."""
+def _prepare_shard(
+    opts: PersistOptions, schema: StructType, expected: str | None = None
+) -> SinkSchema:
+    """Create the shard on first write, or check the DataFrame against it; before any task.
+
+    ``expected``: the incarnation a streaming query recorded at its first micro-batch. Once
+    that shard is dropped, the query fails with ShardDropped rather than create the shard
+    again, or write into one created again under its name.
+    """
     arrow, has_diff = write_schema(schema)
     # Consensus, not the PubSub-confirmed state this process may hold: a drop (by another
     # process) pushes nothing, and a new query must find the shard gone and create it again,
@@ -186,10 +247,31 @@ def _prepare_shard(opts: PersistOptions, schema: StructType) -> SinkSchema:
     try:
         shard = client.open_shard(opts.shard, create=False, retention_ms=opts.retention_ms)
     except ShardNotFound:
+        if expected is not None:
+            raise _dropped(opts, expected) from None
         shard = client.open_shard(opts.shard, arrow, create=True, retention_ms=opts.retention_ms)
+    incarnation = shard.machine.state().incarnation
+    if expected is not None and incarnation != expected:
+        raise _dropped(opts, expected)
     current = shard.schema
     staged = sink_schema(current, arrow, shard.name, opts.merge_schema)
-    return SinkSchema(encode_schema(staged), has_diff, not staged.equals(current))
+    return SinkSchema(encode_schema(staged), has_diff, not staged.equals(current), incarnation)
+
+
+def _dropped(opts: PersistOptions, incarnation: str) -> ShardDropped:
+    """The error of a write whose shard (``incarnation``) was dropped since it was planned."""
+    query = (
+        f"this streaming query (checkpoint {opts.checkpoint_location}) first wrote"
+        if opts.checkpoint_location
+        else "this write was planned against"
+    )
+    return ShardDropped(
+        f"persist sink: shard {opts.shard!r} was dropped (persist shards drop) after {query} "
+        f"it (incarnation {incarnation or 'unnamed'}); nothing of this micro-batch or job was "
+        "committed, and a shard created again under that name is never written by it. "
+        "Restart the query with a new checkpointLocation (or re-run the batch write) to write "
+        "the shard of that name now"
+    )
 
 
 def stage_rows(
@@ -262,11 +344,14 @@ def commit_staged(
     token: int,
     messages: list[WriterCommitMessage | None],
     replace: bool,
+    incarnation: str,
     schema: bytes | None = None,
 ) -> SinkBatchMetrics:
     """Driver side: make every task's parts visible in one compare_and_append, exactly once.
 
-    ``schema`` (a mergeSchema write adding columns) joins the same commit.
+    ``incarnation``: the shard's that the write was planned against (ShardDropped for any
+    other: the shard was dropped meanwhile). ``schema`` (a mergeSchema write adding columns)
+    joins the same commit.
 
     One Consensus round trip when nothing races: the expected upper is the
     one this process holds, and a stale one is answered with the current
@@ -274,7 +359,10 @@ def commit_staged(
     """
     started = time.perf_counter()
     msgs = _staged(messages)
-    writer = open_shard(opts).writer(writer_id)
+    shard = open_shard(opts)
+    if shard.machine.state().incarnation != incarnation:
+        raise _dropped(opts, incarnation)
+    writer = shard.writer(writer_id)
     staged = writer.fit_inline([StagedBatch.from_json(json.loads(m.staged)) for m in msgs])
     upper = writer.upper
     while True:
@@ -357,7 +445,12 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, opts: PersistOptions, schema: StructType, overwrite: bool) -> None:
         self._opts = opts
         self._writer_id = query_writer_id(opts)
-        self._schema = _prepare_shard(opts, schema)
+        checkpoint = opts.checkpoint_location
+        expected = None if checkpoint is None else recorded_incarnation(checkpoint, opts.shard)
+        self._schema = _prepare_shard(opts, schema, expected)
+        if checkpoint is not None and expected is None:
+            # The query's first micro-batch: from here on it writes this incarnation only.
+            record_incarnation(checkpoint, opts.shard, self._schema.incarnation)
         self._replace = overwrite
         # Spark builds this writer in a pooled planner worker twice a micro-batch (to plan
         # the tasks and to commit): the worker's daemon collects after each call.
@@ -371,7 +464,13 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
         """Commit the micro-batch exactly once (driver)."""
         evolves = self._schema.staged if self._schema.evolves else None
         metrics = commit_staged(
-            self._opts, self._writer_id, batchId, messages, self._replace, evolves
+            self._opts,
+            self._writer_id,
+            batchId,
+            messages,
+            self._replace,
+            self._schema.incarnation,
+            evolves,
         )
         _report(metrics, self._opts.checkpoint_location)
 
@@ -411,7 +510,13 @@ class PersistBatchWriter(DataSourceArrowWriter):
         """Commit the whole job in one compare_and_append (driver); skip a done version."""
         evolves = self._schema.staged if self._schema.evolves else None
         metrics = commit_staged(
-            self._opts, self._writer_id, self._token, messages, self._replace, evolves
+            self._opts,
+            self._writer_id,
+            self._token,
+            messages,
+            self._replace,
+            self._schema.incarnation,
+            evolves,
         )
         if metrics.outcome != "committed":
             # Its staged parts stay for GC's orphan sweep: if this very commit landed and was

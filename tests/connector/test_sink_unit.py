@@ -593,7 +593,9 @@ def test_sink_abort_keeps_parts_of_a_commit_that_lands_late(
             m.setattr(sink, "open_shard", lambda o: committer.open_shard(o.shard, create=False))
             held.armed = True
             with pytest.raises(Indeterminate):
-                sink.commit_staged(opts, query_writer_id(opts), 1, msgs, False)
+                sink.commit_staged(
+                    opts, query_writer_id(opts), 1, msgs, False, first._schema.incarnation
+                )
         assert held.held is not None
         sink.abort_staged(opts, msgs)  # another worker: knows nothing of the attempt
         held.land()
@@ -602,3 +604,80 @@ def test_sink_abort_keeps_parts_of_a_commit_that_lands_late(
         assert _ids(shard) == [0, 1, 2, *range(10, 20)]
     finally:
         committer.close()
+
+
+def _drop(shard: str) -> None:
+    """``persist shards drop`` of ``shard`` by another process (its own client)."""
+    from pyspark_persist.state.drop import drop_shard
+
+    other = PersistClient.open()
+    drop_shard(other.consensus, other.blob, shard, now_ms=int(time.time() * 1000))
+    other.close()
+
+
+@pytest.mark.parametrize("recreated", [True, False], ids=["recreated", "gone"])
+def test_a_stream_query_across_a_drop_fails_with_shard_dropped(
+    tmp_path: Path, recreated: bool
+) -> None:
+    """A streaming query's shard is dropped between two micro-batches (and maybe created
+    again under its name by someone else).
+
+    Protects: the query's next micro-batch fails with ShardDropped before any task (its
+    checkpoint records the incarnation it writes), and never writes into the shard created
+    again nor creates it again itself; a new query (new checkpoint) writes the name anew.
+    """
+    from pyspark_persist.state.errors import ShardDropped, ShardNotFound
+
+    shard = f"dropq-{uuid.uuid4().hex[:8]}"
+    ckpt = _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+    first = _writer(shard, ckpt)
+    first.commit([_stage(first, range(10))], 0)
+    _drop(shard)
+    if recreated:
+        other = PersistClient.open()
+        other.open_shard(shard, pa.schema([("id", pa.int64()), ("name", pa.string())]))
+        other.open_shard(shard).writer().append(pa.table({"id": [100], "name": ["new"]}))
+    with pytest.raises(ShardDropped, match="new checkpointLocation"):
+        _writer(shard, ckpt)
+    if recreated:
+        assert _ids(shard) == [100]
+    else:
+        with pytest.raises(ShardNotFound):
+            _ids(shard)
+    fresh = _writer(shard, _checkpoint(tmp_path / "fresh", str(uuid.uuid4())))
+    fresh.commit([_stage(fresh, range(5))], 0)
+    assert _ids(shard) == ([*range(5), 100] if recreated else list(range(5)))
+
+
+@pytest.mark.parametrize("kind", ["stream", "batch"])
+def test_a_write_planned_before_a_drop_never_commits_into_the_recreated_shard(
+    tmp_path: Path, kind: str
+) -> None:
+    """The shard is dropped and created again between a write's planning (its tasks staged
+    against the old shard) and its commit on the driver.
+
+    Protects: the commit raises ShardDropped and the new shard holds only its own rows.
+    """
+    from pyspark_persist.state.errors import ShardDropped
+
+    shard = f"dropw-{uuid.uuid4().hex[:8]}"
+    PersistClient.open().open_shard(shard, pa.schema([("id", pa.int64()), ("name", pa.string())]))
+    if kind == "stream":
+        writer: PersistStreamWriter | PersistBatchWriter = _writer(
+            shard, _checkpoint(tmp_path / "ckpt", str(uuid.uuid4()))
+        )
+    else:
+        opts = PersistOptions.parse({"path": shard}, "write")
+        writer = PersistBatchWriter(opts, SCHEMA, False)
+    rb = pa.RecordBatch.from_pydict({"id": pa.array([1, 2], pa.int64()), "name": ["a", "b"]})
+    message = writer.write(iter([rb]))
+    _drop(shard)
+    other = PersistClient.open()
+    other.open_shard(shard, pa.schema([("id", pa.int64()), ("name", pa.string())]))
+    other.open_shard(shard).writer().append(pa.table({"id": [100], "name": ["new"]}))
+    with pytest.raises(ShardDropped, match="was dropped"):
+        if isinstance(writer, PersistStreamWriter):
+            writer.commit([message], 0)
+        else:
+            writer.commit([message])
+    assert _ids(shard) == [100]
