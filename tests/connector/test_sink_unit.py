@@ -360,6 +360,8 @@ def test_recreated_remote_checkpoint_is_a_new_writer(
     commit(range(10, 12), 0)
     commit(range(12, 14), 1)
     assert _ids(shard) == [0, 1, 2, 3, 4, 10, 11, 12, 13]
+    record = s3.get_object(Bucket="persist-test", Key=f"{prefix}/{sink.SHARD_RECORD}")
+    assert json.loads(record["Body"].read())["shard"] == shard  # the incarnation it writes
 
 
 def test_unreadable_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
