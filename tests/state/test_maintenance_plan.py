@@ -21,14 +21,14 @@ from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
-from pyspark_persist.state.maintenance import (
+from pyspark_persist.state.maintenance import plan_gc
+from pyspark_persist.state.maintenance_policy import (
     BACKGROUND_COMPACTION_ROUNDS,
     CompactRequest,
     GcRequest,
     compaction_due,
     compaction_plan,
     compaction_request,
-    plan_gc,
     requests_after_commit,
 )
 from pyspark_persist.state.state import Batch, LeasedReaderState, PartRef, ShardState
