@@ -50,7 +50,7 @@ streaming micro-batch), optionally capped and split over tasks. A reader
 done; each part is a :class:`~.parts.LeasedPart` any process can fetch.
 
 Maintenance is data too. After each commit the pure
-:func:`~.maintenance.requests_after_commit` says whether compaction (merge
+:func:`~.maintenance_policy.requests_after_commit` says whether compaction (merge
 adjacent batches, advancing times below ``since``) or GC (delete what no
 reader can need, truncate Consensus below a rollup) is due; a background
 runner executes the requests, off the writer's path.
