@@ -160,7 +160,11 @@ class HoldUpdater:
 
 
 class LeaseHolder:
-    """The driver-side half of the source: plans micro-batches and holds their leases."""
+    """The driver-side half of the source: the I/O around :mod:`pyspark_persist.offsets`.
+
+    It reads the state offsets are computed from, leases and plans the parts of each
+    micro-batch, holds those leases until Spark commits it, and records its figures.
+    """
 
     def __init__(self, opts: PersistOptions, schema: StructType | None = None) -> None:
         """``schema``: the query's (default: the shard's columns now)."""

@@ -376,7 +376,7 @@ def test_offsets_decide_with_no_spark_store_clock_or_thread() -> None:
     """``offsets.py`` imports no Spark, no Blob/Consensus/handle module, nothing that keeps
     time or runs threads: every import it names, deferred ones too, is of a pure module."""
     path = Path(__file__).resolve().parents[2] / "connector" / "offsets.py"
-    named = set()
+    named: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             named.update(alias.name for alias in node.names)
