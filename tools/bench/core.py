@@ -47,17 +47,14 @@ import json
 import multiprocessing
 import os
 import platform
-import random
 import resource
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -74,6 +71,7 @@ from pyspark_persist.state.consensus import (
     open_consensus,
 )
 from pyspark_persist.tools.bench import step
+from pyspark_persist.tools.bench.listen import probe_listen
 
 MiB = 1 << 20
 
@@ -498,16 +496,17 @@ def _shard_name(kind: str) -> str:
     return f"bench-{kind}-{uuid.uuid4().hex[:12]}"
 
 
-def _seen(received: dict[int, float], errors: list[BaseException], i: int) -> bool:
-    return i in received or bool(errors)
-
-
 def _percentile_ms(samples: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples), q)) * 1e3
 
 
 # ---------------------------------------------------------------------------
 # Phases
+
+
+def _small_row(i: int) -> pa.Table:
+    """The one row of the ``i``-th small write."""
+    return pa.table({"id": [i], "name": [f"row-{i}"]}, schema=SMALL_SCHEMA)
 
 
 def measure_small_writes(
@@ -517,10 +516,7 @@ def measure_small_writes(
     with open_client(uris) as client:
         shard = client.open_shard(_shard_name("small"), SMALL_SCHEMA)
         writer = shard.writer()
-        rows = [
-            pa.table({"id": [i], "name": [f"row-{i}"]}, schema=SMALL_SCHEMA)
-            for i in range(warmup + writes)
-        ]
+        rows = [_small_row(i) for i in range(warmup + writes)]
         for t in rows[:warmup]:
             writer.append(t)
         samples: list[float] = []
@@ -627,75 +623,28 @@ def measure_listen_latency(
     same_client: bool,
     gap_ms: float = 20.0,
     seed: int = 7,
-    timeout_s: float = 10.0,
 ) -> ListenLatencyResult:
-    """Time from just before an append to a listener (another thread) receiving its event.
+    """Time from just before an append to a listener (another thread) receiving its event
+    (:func:`~pyspark_persist.tools.bench.listen.probe_listen`).
 
     With ``same_client`` False the listener is a separate client with its own
     state cache, so it can only learn of the write by polling Consensus.
     """
-    rng = random.Random(seed)
-    name = _shard_name("listen")
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(open_client(uris))
-        shard = client.open_shard(name, SMALL_SCHEMA)
-        writer = shard.writer()
-        writer.append(pa.table({"id": [-1], "name": ["seed"]}, schema=SMALL_SCHEMA))
-        if same_client:
-            lshard = shard
-        else:
-            lclient = stack.enter_context(open_client(uris))
-            lshard = lclient.open_shard(name)
-        reader = lshard.reader()
-        listen = reader.listen(reader.latest_as_of())
-        received: dict[int, float] = {}
-        cond = threading.Condition()
-        stop = threading.Event()
-        errors: list[BaseException] = []
-
-        def listen_loop() -> None:
-            try:
-                while not stop.is_set():
-                    event = listen.next(timeout_s=0.2)
-                    now = time.perf_counter()
-                    if event is None or not event.parts:
-                        continue
-                    ids = reader.fetch(event.parts).column("id").to_pylist()
-                    with cond:
-                        for i in ids:
-                            received.setdefault(i, now)
-                        cond.notify_all()
-            except BaseException as e:  # noqa: BLE001 - reported by the writer thread
-                errors.append(e)
-                with cond:
-                    cond.notify_all()
-
-        thread = threading.Thread(target=listen_loop, name="bench-listener", daemon=True)
-        thread.start()
-        sent: dict[int, float] = {}
-        try:
-            for i in range(samples):
-                time.sleep(rng.uniform(0, gap_ms / 1e3))
-                row = pa.table({"id": [i], "name": [f"row-{i}"]}, schema=SMALL_SCHEMA)
-                sent[i] = time.perf_counter()
-                writer.append(row)
-                with cond:
-                    cond.wait_for(partial(_seen, received, errors, i), timeout_s)
-                if errors:
-                    raise errors[0]
-        finally:
-            stop.set()
-            thread.join(timeout=5)
-    lat = [received[i] - t0 for i, t0 in sent.items() if i in received]
-    if not lat:
+        listener = client if same_client else stack.enter_context(open_client(uris))
+        seen = probe_listen(
+            client, listener, SMALL_SCHEMA, _small_row, samples, (0.0, gap_ms), seed=seed
+        )
+    if not seen.write_s:
         raise RuntimeError(f"the listener at {location} saw none of {samples} writes")
     return ListenLatencyResult(
         location=location,
         listener="same-client" if same_client else "polling",
-        samples=len(lat),
-        p50_ms=_percentile_ms(lat, 50),
-        p95_ms=_percentile_ms(lat, 95),
-        missed=samples - len(lat),
+        samples=len(seen.write_s),
+        p50_ms=_percentile_ms(seen.write_s, 50),
+        p95_ms=_percentile_ms(seen.write_s, 95),
+        missed=seen.missed,
     )
 
 

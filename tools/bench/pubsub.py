@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -46,6 +44,7 @@ from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.tools.bench.listen import probe_listen
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 SCHEMA = pa.schema([("id", pa.int64())])
@@ -97,60 +96,27 @@ def _wait_healthy(client: PersistClient, shard: str, spec: str | None) -> None:
         time.sleep(0.01)
 
 
+def _row(i: int) -> pa.Table:
+    return pa.table({"id": [i]}, schema=SCHEMA)
+
+
 def measure_latency(
     uris: tuple[str, str], spec: str | None, samples: int, gap_ms: tuple[float, float], seed: int
-) -> tuple[list[float], list[float], int]:
-    """(commit->listen seconds, write->listen seconds, missed) for one mode."""
-    rng = random.Random(seed)
-    name = f"bench-pubsub-{uuid.uuid4().hex[:10]}"
+) -> tuple[Sequence[float], Sequence[float], int]:
+    """(commit->listen seconds, write->listen seconds, missed) for one mode: writer and
+    listener in separate clients, each with its own publisher (``spec``)."""
     wc, lc = _client(uris, spec), _client(uris, spec)
-    try:
-        wshard = wc.open_shard(name, SCHEMA)
-        writer = wshard.writer()
-        writer.append(pa.table({"id": [-1]}, schema=SCHEMA))
-        lshard = lc.open_shard(name)
-        reader = lshard.reader()
-        listen = reader.listen(reader.latest_as_of())
+
+    def settle(name: str) -> None:
         _wait_healthy(lc, name, spec)
         _wait_healthy(wc, name, spec)
-        listen.next(timeout_s=0.2)  # catch-up read after subscribing
-        received: dict[int, float] = {}
-        cond = threading.Condition()
-        stop = threading.Event()
 
-        def loop() -> None:
-            while not stop.is_set():
-                ev = listen.next(timeout_s=0.2)
-                now = time.perf_counter()
-                if ev is None or not ev.parts:
-                    continue
-                ids = reader.fetch(ev.parts).column("id").to_pylist()
-                with cond:
-                    for i in ids:
-                        received.setdefault(i, now)
-                    cond.notify_all()
-
-        t = threading.Thread(target=loop, daemon=True, name="bench-pubsub-listener")
-        t.start()
-        before: dict[int, float] = {}
-        after: dict[int, float] = {}
-        try:
-            for i in range(samples):
-                time.sleep(rng.uniform(*gap_ms) / 1e3)
-                before[i] = time.perf_counter()
-                writer.append(pa.table({"id": [i]}, schema=SCHEMA))
-                after[i] = time.perf_counter()
-                with cond:
-                    cond.wait_for(functools.partial(received.__contains__, i), 10)
-        finally:
-            stop.set()
-            t.join(timeout=5)
-        commit = [received[i] - after[i] for i in after if i in received]
-        write = [received[i] - before[i] for i in before if i in received]
-        return commit, write, samples - len(commit)
+    try:
+        seen = probe_listen(wc, lc, SCHEMA, _row, samples, gap_ms, seed=seed, settle=settle)
     finally:
         _close(wc)
         _close(lc)
+    return seen.commit_s, seen.write_s, seen.missed
 
 
 def measure_idle(uris: tuple[str, str], spec: str | None, seconds: float) -> float:
