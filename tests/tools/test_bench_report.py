@@ -197,3 +197,13 @@ def test_spark_section_runs_each_benchmark_with_options_and_reads_its_result(
         "ran `persist bench spark-write --quick --skip-latency`",
         "spark-read failed: RuntimeError: no JVM here",
     ]
+
+
+def test_a_whole_number_figure_from_a_benchmark_prints() -> None:
+    """Spark reports micro-batch phases in whole ms, so a sum of their medians (the Python
+    sink's floor) can be an int: its row prints like any other figure (the report used to
+    stop there, after every benchmark had run, on ``int.is_integer``)."""
+    sec = report.Section("spark", "Spark", rows=[report.Row("floor", 141, "ms", "file", 258)])
+    table = _table("\n".join(report.section_markdown(sec)))
+    assert [cells[1] for cells in table] == ["141 ms"]
+    assert [cells[3] for cells in table] == ["258 ms"]

@@ -957,6 +957,8 @@ def run_all(opts: ReportOptions, say: Progress = step) -> Report:
 
 
 def _num(x: float) -> str:
+    """A figure for people; an int (a median of Spark's whole-ms phases) reads as a float."""
+    x = float(x)
     if not math.isfinite(x):
         return "inf"
     a = abs(x)
