@@ -871,14 +871,22 @@ SPARK_RUNS = (
 """The Spark benchmarks, in the order the section runs them."""
 
 
+def _mib(options: Options) -> str:
+    """`` at N MiB`` for options with a size, else nothing."""
+    size = getattr(options, "size_mib", None)
+    return "" if size is None else f" at {size:g} MiB"
+
+
 def run_spark_section(opts: ReportOptions, say: Progress) -> tuple[Section, dict[str, Any]]:
     """The Spark sink and source next to Spark's Parquet file sink and source."""
+    runs = [(r, r.options(opts)) for r in SPARK_RUNS]
     sec = Section(
         "spark",
         TITLES["spark"],
-        "The Spark benchmarks (`spark_write`, `spark_read` at "
-        f"{opts.size_mib} MiB, `spark_freshness`), run in this process; peer = Spark's "
-        "built-in Parquet file sink / file source on the same rows in the same run.",
+        "The Spark benchmarks ("
+        + ", ".join(f"`{r.benchmark.name}`{_mib(o)}" for r, o in runs)
+        + "), run in this process; peer = Spark's built-in Parquet file sink / file source on "
+        "the same rows in the same run.",
     )
     if opts.skip_spark:
         sec.status, sec.reason = "not run", "`--skip-spark` was given"
@@ -887,11 +895,9 @@ def run_spark_section(opts: ReportOptions, say: Progress) -> tuple[Section, dict
         sec.status, sec.reason = "not run", "pyspark is not installed"
         return sec, {}
     raw: dict[str, Any] = {}
-    for spark_run in SPARK_RUNS:
+    for spark_run, options in runs:
         name = spark_run.benchmark.name
-        options = spark_run.options(opts)
-        size = getattr(options, "size_mib", None)
-        say(f"spark: {name}" + (f" ({size:g} MiB)" if size is not None else ""))
+        say(f"spark: {name}{_mib(options)}")
         try:
             result = spark_run.benchmark.run(options)
         except Exception as e:  # noqa: BLE001 - reported in the section, the run goes on
