@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from pyspark_persist.tools.bench import BENCHMARKS
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
@@ -68,21 +70,6 @@ if TYPE_CHECKING:
 
 SHOW_LIMIT = 20
 """Rows ``persist shards show`` prints unless told otherwise."""
-
-BENCHMARKS: dict[str, tuple[str, str]] = {
-    "core": ("core", "small-write and listen latency, throughput vs raw pyarrow, peak memory"),
-    "maintenance": ("maintenance", "compaction and GC: storage and read speed-up"),
-    "pubsub": ("pubsub", "write-to-listen latency and Consensus load with and without PubSub"),
-    "spark-read": ("spark_read", "Spark batch and streaming reads of a shard"),
-    "spark-write": ("spark_write", "the Spark sink's throughput and commit latency"),
-    "spark-freshness": (
-        "spark_freshness",
-        "two streaming queries: sink -> source freshness and per-phase costs beside files",
-    ),
-    "load": ("load", "many writers and readers at once"),
-    "all": ("report", "every benchmark, one report"),
-}
-"""``persist bench NAME`` -> (module under ``pyspark_persist.tools.bench``, help)."""
 
 
 class UsageError(Exception):
@@ -1354,14 +1341,16 @@ def pubsub_serve(args: tuple[str, ...]) -> int:
 
 
 class _Benchmarks(click.Group):
-    """``persist bench NAME``: one passthrough command per entry of :data:`BENCHMARKS`."""
+    """``persist bench NAME``: one passthrough command per entry of the benchmarks' table
+    (:data:`pyspark_persist.tools.bench.BENCHMARKS`)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         """Every benchmark, in the table's order."""
         return list(BENCHMARKS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        """The benchmark ``cmd_name``, whose flags its own module parses."""
+        """The benchmark ``cmd_name``, whose flags its options declare (imported only when it
+        runs)."""
         if cmd_name not in BENCHMARKS:
             return None
         module, help_text = BENCHMARKS[cmd_name]
@@ -1375,12 +1364,12 @@ class _Benchmarks(click.Group):
         )
         @click.argument("args", nargs=-1, type=click.UNPROCESSED)
         def run(args: tuple[str, ...]) -> int:
-            return _delegate(
-                f"pyspark_persist.tools.bench.{module}",
-                f"benchmark {cmd_name!r}",
-                f"persist bench {cmd_name}",
-                args,
+            mod = _import_optional(
+                f"pyspark_persist.tools.bench.{module}", f"benchmark {cmd_name!r}"
             )
+            benchmark = mod.BENCHMARK
+            parser = _ArgParser(prog=f"persist bench {cmd_name}", description=benchmark.about)
+            return int(benchmark.main(args, parser))
 
         return run
 

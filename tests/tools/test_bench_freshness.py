@@ -7,10 +7,8 @@ moved rows from its writer to its reader and that every figure is reported.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -23,7 +21,7 @@ from pyspark_persist.tools.bench.spark_freshness import (
     KINDS,
     PHASES,
     READY,
-    add_arguments,
+    FreshnessOptions,
     render,
     run,
     run_alone,
@@ -36,12 +34,10 @@ def test_freshness_quick_reports_every_pipeline(
 ) -> None:
     """persist and file pipelines see steady-state rows; every query reports its phases; the
     run says on stderr which pipeline it is timing, as it goes."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    ns = parser.parse_args(
-        ["--quick", "--seconds", "5", "--steady-seconds", "2", "--workdir", str(tmp_path)]
+    options = FreshnessOptions.make(
+        quick=True, seconds=5.0, steady_seconds=2.0, workdir=str(tmp_path)
     )
-    report = run(ns, spark)
+    report = run(options, spark)
     by = {p.kind: p for p in report.pipelines}
     assert set(by) == {"persist", "file", "floor"}
     for kind in ("persist", "file"):
@@ -71,7 +67,7 @@ def test_freshness_quick_reports_every_pipeline(
         floor_sink[p] for p in ("walCommit", "queryPlanning", "addBatch")
     )
     assert "the floor of any Python sink" in text
-    assert json.loads(json.dumps(asdict(report)))["sink_floor_ms"] == report.sink_floor_ms
+    assert json.loads(json.dumps(report.to_json()))["sink_floor_ms"] == report.sink_floor_ms
     assert "Each reader alone" in text and "append -> seen p50/p95" in text
     assert spark.streams.active == []  # every query the benchmark started was stopped
     steps = capsys.readouterr().err

@@ -8,6 +8,7 @@ people reading a full run on a quiet machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -46,11 +47,13 @@ def _figure(cell: str) -> tuple[float, str]:
 def test_bench_all_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The whole report runs in one go and writes report.md, report.png and report.json."""
     out = tmp_path / "report"
-    status = report.main(["--quick", "--skip-spark", "--out", str(out), "--workdir", str(tmp_path)])
+    argv = ["--quick", "--skip-spark", "--out", str(out), "--workdir", str(tmp_path)]
+    status = report.BENCHMARK.main(argv)
     assert status == 0, capsys.readouterr().err
 
     md = (out / "report.md").read_text()
     assert md.startswith("# persist benchmark report")
+    assert f"Command: `persist bench all --quick --out {out} --skip-spark --workdir " in md
     assert re.search(r"\d+ CPUs .*RAM.*Python 3\.\d+.*pyarrow .*pyspark .*deltalake ", md)
 
     sections = _sections(md)
@@ -92,33 +95,40 @@ def test_bench_all_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_spark_rows_pair_persist_with_spark_parquet() -> None:
     """The Spark section puts persist's figures next to Spark Parquet's, with targets judged,
     and the API's own ceiling and floor beside them as unjudged scale rows."""
-    from pyspark_persist.tools.bench.report import spark_rows
+    from pyspark_persist.tools.bench import spark_freshness, spark_read, spark_write
 
-    write = {
-        "size_mib": 256.0,
-        "write": [
-            {"writer": "persist append", "rows": 10, "mib_per_s": 40.0},
-            {"writer": "persist overwrite", "rows": 10, "mib_per_s": 45.0},
-            {"writer": "parquet", "rows": 10, "mib_per_s": 95.0},
-            {"writer": "parquet append", "rows": 10, "mib_per_s": 80.0},
-            {"writer": "discard", "rows": 10, "mib_per_s": 90.0},
-        ],
-    }
-    rows = spark_rows("spark_write", write)
+    figures = [
+        ("persist append", 40.0),
+        ("persist overwrite", 45.0),
+        ("parquet", 95.0),
+        ("parquet append", 80.0),
+        ("discard", 90.0),
+    ]
+    write = spark_write.Report(
+        size_mib=256.0,
+        partitions=2,
+        master="local[2]",
+        write=[spark_write.WriteFigures(w, 10, 1.0, 10.0, mib) for w, mib in figures],
+    )
+    rows = report.spark_write_rows(write)
     assert [(r.persist, r.peer_value, r.met) for r in rows] == [
         (40.0, 80.0, False),
         (90.0, 80.0, None),
     ]
     assert all(r.note.startswith("not persist") for r in rows if r.metric.startswith("(scale)"))
-    fresh = {
-        "pipelines": [
-            {"kind": "persist", "p50_ms": 180.0, "p95_ms": 300.0},
-            {"kind": "file", "p50_ms": 258.0, "p95_ms": 361.0},
-            {"kind": "floor", "p50_ms": 0.0, "p95_ms": 0.0},
+    fresh = spark_freshness.Report(
+        seconds=40.0,
+        steady_seconds=10.0,
+        rows_per_second=50,
+        pubsub="auto",
+        pipelines=[
+            spark_freshness.Pipeline("persist", 10, 180.0, 300.0, 400.0),
+            spark_freshness.Pipeline("file", 10, 258.0, 361.0, 400.0),
+            spark_freshness.Pipeline("floor", 0, 0.0, 0.0, 0.0),
         ],
-        "sink_floor_ms": 154.0,
-    }
-    p50, p95, floor = spark_rows("spark_freshness", fresh)
+        sink_floor_ms=154.0,
+    )
+    p50, p95, floor = report.spark_freshness_rows(fresh)
     # Lower is better: p50 180 <= 0.7 * 258 = 180.6 is met; p95 300 > 0.8 * 361 = 288.8 is not.
     assert (p50.persist, p50.peer_value, p50.met) == (180.0, 258.0, True)
     assert p50.target == "<= 0.7x file pipeline"
@@ -126,15 +136,74 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
     assert p50.advantage == 258.0 / 180.0
     assert (floor.persist, floor.peer_value, floor.met) == (154.0, 258.0, None)
     assert floor.note.startswith("not persist")
-    read = {
-        "timings": [
-            {"name": "persist 1/core", "partitions": 2, "mib_per_s": 100.0},
-            {"name": "persist 2/core", "partitions": 4, "mib_per_s": 180.0},
-            {"name": "spark parquet", "partitions": 5, "mib_per_s": 150.0},
-            {"name": "python source, no I/O", "partitions": 2, "mib_per_s": 200.0},
-        ]
-    }
-    one, two, ceiling = spark_rows("spark_read", read)
+    timings = [
+        ("persist 1/core", 2, 100.0),
+        ("persist 2/core", 4, 180.0),
+        ("spark parquet", 5, 150.0),
+        ("python source, no I/O", 2, 200.0),
+    ]
+    read = spark_read.Report(
+        spark_read.SparkReadOptions(),
+        rows=10,
+        arrow_mib=1.0,
+        write_s=1.0,
+        timings=[spark_read.Timing(n, parts, 1.0, mib) for n, parts, mib in timings],
+    )
+    one, two, ceiling = report.spark_read_rows(read)
     assert (one.persist, one.peer_value, one.met) == (100.0, 150.0, True)
     assert (two.persist, two.peer_value, two.met) == (180.0, 100.0, None)
     assert (ceiling.persist, ceiling.peer_value, ceiling.met) == (200.0, 150.0, None)
+
+
+def test_spark_section_runs_each_benchmark_with_options_and_reads_its_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``persist bench all`` hands each Spark benchmark its options (``--quick``'s, and
+    spark-write without its latency pipelines) and builds its rows from the result the
+    benchmark returns: no argument lists, no stdout. One that raises is a note; the others
+    still count."""
+    pytest.importorskip("pyspark")
+    from pyspark_persist.tools.bench import spark_read, spark_write
+
+    seen: dict[str, object] = {}
+
+    def fake_write(options: spark_write.SparkWriteOptions) -> spark_write.Report:
+        seen["spark-write"] = options
+        writers = ("persist append", "parquet append", "discard")
+        return spark_write.Report(
+            size_mib=options.size_mib,
+            partitions=2,
+            master=options.master,
+            write=[spark_write.WriteFigures(w, 10, 1.0, 10.0, 50.0) for w in writers],
+        )
+
+    def fake_read(options: spark_read.SparkReadOptions) -> spark_read.Report:
+        raise RuntimeError("no JVM here\nsecond line")
+
+    fakes = {"spark-write": fake_write, "spark-read": fake_read}
+    runs = tuple(
+        dataclasses.replace(r, benchmark=dataclasses.replace(r.benchmark, run=fakes[name]))
+        for r in report.SPARK_RUNS
+        if (name := r.benchmark.name) in fakes
+    )
+    monkeypatch.setattr(report, "SPARK_RUNS", runs)
+    opts = report.ReportOptions.make(quick=True)
+    sec, raw = report.run_spark_section(opts, lambda _m: None)
+    assert seen["spark-write"] == spark_write.SparkWriteOptions.make(True, skip_latency=True)
+    assert sec.status == "ok" and list(raw) == ["spark-write"]
+    assert raw["spark-write"]["write"][0]["writer"] == "persist append"
+    assert [r.persist for r in sec.rows] == [50.0, 50.0]
+    assert sec.notes == [
+        "ran `persist bench spark-write --quick --skip-latency`",
+        "spark-read failed: RuntimeError: no JVM here",
+    ]
+
+
+def test_a_whole_number_figure_from_a_benchmark_prints() -> None:
+    """Spark reports micro-batch phases in whole ms, so a sum of their medians (the Python
+    sink's floor) can be an int: its row prints like any other figure (the report used to
+    stop there, after every benchmark had run, on ``int.is_integer``)."""
+    sec = report.Section("spark", "Spark", rows=[report.Row("floor", 141, "ms", "file", 258)])
+    table = _table("\n".join(report.section_markdown(sec)))
+    assert [cells[1] for cells in table] == ["141 ms"]
+    assert [cells[3] for cells in table] == ["258 ms"]

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-
 from pyspark_persist.tools.bench import spark_write
-from pyspark_persist.tools.bench.spark_write import Report, WriteFigures, render
+from pyspark_persist.tools.bench.spark_write import (
+    Report,
+    SparkWriteOptions,
+    WriteFigures,
+    render,
+)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    spark_write.add_arguments(parser)
-    return parser.parse_args(argv)
+def _parse(argv: list[str]) -> SparkWriteOptions:
+    return spark_write.BENCHMARK.parse(argv)
 
 
 def test_arrow_batch_rows_defaults_to_sparks_and_is_named_in_the_report() -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.tools import cli
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 
 SHARD = "events"
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
@@ -252,7 +254,7 @@ def test_missing_benchmark_module(
 
 
 def _fake_module(name: str, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """A delegated module (a benchmark, the checker): ``add_arguments`` + ``run_from_args``."""
+    """A delegated module (the checker): ``add_arguments`` + ``run_from_args``."""
     import argparse
 
     calls: list[list[str]] = []
@@ -272,18 +274,53 @@ def _fake_module(name: str, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     return calls
 
 
-def test_delegated_command_gets_its_flags(
+@dataclass(frozen=True)
+class _RowsOptions(Options):
+    rows: int = flag(1, "rows")
+
+
+@dataclass
+class _Rows(Result):
+    rows: int
+
+    def exit_status(self) -> int:
+        return 3
+
+
+def test_benchmark_command_gets_its_declared_flags(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _fake_module("pyspark_persist.tools.bench.spark_read", monkeypatch)
+    """``persist bench NAME`` parses the flags the benchmark's options declare (a bad value is
+    one usage line), runs it, prints its render (or JSON) and exits with its result's status."""
+    name = "pyspark_persist.tools.bench.spark_read"
+    ran: list[_RowsOptions] = []
+
+    def run_rows(options: _RowsOptions) -> _Rows:
+        ran.append(options)
+        return _Rows(options.rows)
+
+    module = types.ModuleType(name)
+    module.BENCHMARK = Benchmark(  # type: ignore[attr-defined]
+        "spark-read", _RowsOptions, run_rows, lambda r: f"rows={r.rows}", "Counts rows."
+    )
+    monkeypatch.setitem(sys.modules, name, module)
     status, out, _ = run(capsys, "bench", "spark-read", "--rows", "5")
-    assert (status, out, calls) == (3, "rows=5\n", [["--rows", "5"]])
+    assert (status, out, ran) == (3, "rows=5\n", [_RowsOptions(rows=5)])
+    status, out, _ = run(capsys, "bench", "spark-read", "--json")
+    assert (status, json.loads(out)) == (3, {"rows": 1})
     status, out, err = run(capsys, "bench", "spark-read", "--rows", "many")
     assert status == 2 and out == "" and len(err.splitlines()) == 1
     assert "persist bench spark-read: argument --rows: invalid int value" in err
+    status, out, _ = run(capsys, "bench", "spark-read", "--help")
+    assert status == 0 and "Counts rows." in out and "--rows ROWS" in out
+
+
+def test_delegated_command_gets_its_flags(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     checker = _fake_module("pyspark_persist.tools.checker", monkeypatch)
     status, out, _ = run(capsys, "check", "--rows", "2")
-    assert (status, checker) == (3, [["--rows", "2"]])
+    assert (status, out, checker) == (3, "rows=2\n", [["--rows", "2"]])
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:

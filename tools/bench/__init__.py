@@ -1,6 +1,38 @@
-"""Benchmarks of persist itself (no Spark): see :mod:`pyspark_persist.tools.bench.core`."""
+"""Benchmarks of persist, one module each, all through one interface (:mod:`.api`).
+
+:data:`BENCHMARKS` is the one table of them: the ``persist bench`` subcommands are built
+from it, and ``persist bench all`` (:mod:`.report`) runs the others. Each module holds a
+``BENCHMARK`` (:class:`~pyspark_persist.tools.bench.api.Benchmark`); this package imports
+none of them, so listing them costs nothing.
+"""
 
 import sys
+from typing import NamedTuple
+
+
+class Entry(NamedTuple):
+    """A benchmark in :data:`BENCHMARKS`."""
+
+    module: str
+    """Its module under ``pyspark_persist.tools.bench``, which defines ``BENCHMARK``."""
+    summary: str
+    """One line for ``persist bench --help``."""
+
+
+BENCHMARKS: dict[str, Entry] = {
+    "core": Entry("core", "small-write and listen latency, throughput vs raw pyarrow, peak memory"),
+    "maintenance": Entry("maintenance", "compaction and GC: storage and read speed-up"),
+    "pubsub": Entry("pubsub", "write-to-listen latency and Consensus load with and without PubSub"),
+    "spark-read": Entry("spark_read", "Spark batch and streaming reads of a shard"),
+    "spark-write": Entry("spark_write", "the Spark sink's throughput and commit latency"),
+    "spark-freshness": Entry(
+        "spark_freshness",
+        "two streaming queries: sink -> source freshness and per-phase costs beside files",
+    ),
+    "load": Entry("load", "many writers and readers at once"),
+    "all": Entry("report", "every benchmark, one report"),
+}
+"""``persist bench NAME`` -> where its ``BENCHMARK`` is, and what it measures."""
 
 
 def step(msg: str) -> None:

@@ -39,25 +39,19 @@ chunk afresh, holding one chunk at a time. Nothing here imports Spark.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import gc
-import json
 import multiprocessing
 import os
 import platform
-import random
 import resource
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -74,11 +68,15 @@ from pyspark_persist.state.consensus import (
     open_consensus,
 )
 from pyspark_persist.tools.bench import step
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, csv, flag, setting
+from pyspark_persist.tools.bench.listen import probe_listen
 
 MiB = 1 << 20
 
 LOCATIONS = ("mem/mem", "file/sqlite", "file/postgres", "s3/postgres")
 """Every (Blob, Consensus) pair the benchmark knows, in report order."""
+PHASES = ("latency", "listen", "throughput", "memory")
+"""Every phase of the benchmark, in the order it runs them."""
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 S3_BUCKET = "persist-bench"
@@ -104,26 +102,28 @@ SMALL_SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(Options):
     """What to run and how big. The defaults are the issue's full benchmark."""
 
-    locations: tuple[str, ...] = LOCATIONS
-    phases: tuple[str, ...] = ("latency", "listen", "throughput", "memory")
-    writes: int = 500
+    locations: tuple[str, ...] = flag(
+        LOCATIONS, "comma list of locations", parse=csv, choices=LOCATIONS
+    )
+    phases: tuple[str, ...] = flag(PHASES, "comma list of phases", parse=csv, choices=PHASES)
+    writes: int = flag(500, "small writes timed per location", quick=100, positive=True)
     """Small writes timed per location (after ``warmup`` untimed ones)."""
-    warmup: int = 20
-    listen_samples: int = 200
+    warmup: int = setting(20, quick=5)
+    listen_samples: int = flag(200, "writes per listen measurement", quick=30, positive=True)
     """Writes a listener must see, per location and listener kind."""
-    listen_gap_ms: float = 20.0
+    listen_gap_ms: float = flag(20.0, "max random gap between listen writes")
     """The writer sleeps a uniformly random 0..gap between listen samples."""
-    size_mib: int = 1024
+    size_mib: int = flag(1024, "Arrow MiB for throughput and memory", quick=64, positive=True)
     """Arrow MiB of generated rows for the throughput and memory phases."""
-    s3_size_mib: int = 256
+    s3_size_mib: int = flag(256, "Arrow MiB for s3/postgres throughput, 0 skips", quick=32)
     """Arrow MiB for the s3/postgres throughput run (moto is slow; 0 skips it)."""
     throughput_locations: tuple[str, ...] = ("file/sqlite", "s3/postgres")
-    part_mib: int = 64
+    part_mib: int = flag(64, "B, the part target size in MiB", positive=True)
     """B, persist's part target size."""
-    outstanding_parts: int = 2
+    outstanding_parts: int = flag(2, "N, parts in flight per writer", positive=True)
     """N, parts a batch builder encodes and uploads at once."""
     chunk_rows: int = 1 << 18
     """Rows per generated chunk in the throughput phase (15 MiB; also the raw row groups)."""
@@ -131,10 +131,10 @@ class BenchConfig:
     """Rows per generated chunk in the memory-phase writer child (3.75 MiB)."""
     pool_chunks: int = 4
     """Distinct pre-generated chunks the throughput phase cycles through."""
-    repeats: int = 2
+    repeats: int = flag(2, "throughput rounds, fastest kept", quick=1, positive=True)
     """Interleaved rounds of the throughput phase; each figure keeps its fastest round."""
-    postgres_url: str = POSTGRES_URL
-    workdir: str | None = None
+    postgres_url: str = flag(POSTGRES_URL, "PostgreSQL consensus URL")
+    workdir: str | None = flag(None, "directory for temporary files (default: the system's)")
     """Where temporary files go (default: the system temp dir)."""
     seed: int = 7
 
@@ -144,15 +144,6 @@ class BenchConfig:
         return PersistConfig(
             part_target_bytes=self.part_mib * MiB, max_outstanding_parts=self.outstanding_parts
         )
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> BenchConfig:
-        """A smoke-run configuration: 64 MiB, 100 writes, few listen samples."""
-        base: dict[str, Any] = dict(
-            writes=100, warmup=5, listen_samples=30, size_mib=64, s3_size_mib=32, repeats=1
-        )
-        base.update(overrides)
-        return cls(**base)
 
 
 @dataclass(frozen=True)
@@ -260,7 +251,7 @@ class MemoryResult:
 
 
 @dataclass
-class CoreReport:
+class CoreReport(Result):
     """Everything one benchmark run measured."""
 
     config: BenchConfig
@@ -271,27 +262,6 @@ class CoreReport:
     throughput: list[ThroughputResult] = field(default_factory=list)
     memory: list[MemoryResult] = field(default_factory=list)
     seconds: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        """The report as plain JSON values, derived figures included."""
-
-        def obj(x: Any) -> dict[str, Any]:
-            d = dataclasses.asdict(x)
-            for name in dir(type(x)):
-                if isinstance(getattr(type(x), name, None), property):
-                    d[name] = getattr(x, name)
-            return d
-
-        return {
-            "config": dataclasses.asdict(self.config),
-            "machine": self.machine,
-            "notes": self.notes,
-            "latency": [obj(r) for r in self.latency],
-            "listen": [obj(r) for r in self.listen],
-            "throughput": [obj(r) for r in self.throughput],
-            "memory": [obj(r) for r in self.memory],
-            "seconds": self.seconds,
-        }
 
 
 # ---------------------------------------------------------------------------
@@ -498,16 +468,17 @@ def _shard_name(kind: str) -> str:
     return f"bench-{kind}-{uuid.uuid4().hex[:12]}"
 
 
-def _seen(received: dict[int, float], errors: list[BaseException], i: int) -> bool:
-    return i in received or bool(errors)
-
-
 def _percentile_ms(samples: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples), q)) * 1e3
 
 
 # ---------------------------------------------------------------------------
 # Phases
+
+
+def _small_row(i: int) -> pa.Table:
+    """The one row of the ``i``-th small write."""
+    return pa.table({"id": [i], "name": [f"row-{i}"]}, schema=SMALL_SCHEMA)
 
 
 def measure_small_writes(
@@ -517,10 +488,7 @@ def measure_small_writes(
     with open_client(uris) as client:
         shard = client.open_shard(_shard_name("small"), SMALL_SCHEMA)
         writer = shard.writer()
-        rows = [
-            pa.table({"id": [i], "name": [f"row-{i}"]}, schema=SMALL_SCHEMA)
-            for i in range(warmup + writes)
-        ]
+        rows = [_small_row(i) for i in range(warmup + writes)]
         for t in rows[:warmup]:
             writer.append(t)
         samples: list[float] = []
@@ -627,75 +595,28 @@ def measure_listen_latency(
     same_client: bool,
     gap_ms: float = 20.0,
     seed: int = 7,
-    timeout_s: float = 10.0,
 ) -> ListenLatencyResult:
-    """Time from just before an append to a listener (another thread) receiving its event.
+    """Time from just before an append to a listener (another thread) receiving its event
+    (:func:`~pyspark_persist.tools.bench.listen.probe_listen`).
 
     With ``same_client`` False the listener is a separate client with its own
     state cache, so it can only learn of the write by polling Consensus.
     """
-    rng = random.Random(seed)
-    name = _shard_name("listen")
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(open_client(uris))
-        shard = client.open_shard(name, SMALL_SCHEMA)
-        writer = shard.writer()
-        writer.append(pa.table({"id": [-1], "name": ["seed"]}, schema=SMALL_SCHEMA))
-        if same_client:
-            lshard = shard
-        else:
-            lclient = stack.enter_context(open_client(uris))
-            lshard = lclient.open_shard(name)
-        reader = lshard.reader()
-        listen = reader.listen(reader.latest_as_of())
-        received: dict[int, float] = {}
-        cond = threading.Condition()
-        stop = threading.Event()
-        errors: list[BaseException] = []
-
-        def listen_loop() -> None:
-            try:
-                while not stop.is_set():
-                    event = listen.next(timeout_s=0.2)
-                    now = time.perf_counter()
-                    if event is None or not event.parts:
-                        continue
-                    ids = reader.fetch(event.parts).column("id").to_pylist()
-                    with cond:
-                        for i in ids:
-                            received.setdefault(i, now)
-                        cond.notify_all()
-            except BaseException as e:  # noqa: BLE001 - reported by the writer thread
-                errors.append(e)
-                with cond:
-                    cond.notify_all()
-
-        thread = threading.Thread(target=listen_loop, name="bench-listener", daemon=True)
-        thread.start()
-        sent: dict[int, float] = {}
-        try:
-            for i in range(samples):
-                time.sleep(rng.uniform(0, gap_ms / 1e3))
-                row = pa.table({"id": [i], "name": [f"row-{i}"]}, schema=SMALL_SCHEMA)
-                sent[i] = time.perf_counter()
-                writer.append(row)
-                with cond:
-                    cond.wait_for(partial(_seen, received, errors, i), timeout_s)
-                if errors:
-                    raise errors[0]
-        finally:
-            stop.set()
-            thread.join(timeout=5)
-    lat = [received[i] - t0 for i, t0 in sent.items() if i in received]
-    if not lat:
+        listener = client if same_client else stack.enter_context(open_client(uris))
+        seen = probe_listen(
+            client, listener, SMALL_SCHEMA, _small_row, samples, (0.0, gap_ms), seed=seed
+        )
+    if not seen.write_s:
         raise RuntimeError(f"the listener at {location} saw none of {samples} writes")
     return ListenLatencyResult(
         location=location,
         listener="same-client" if same_client else "polling",
-        samples=len(lat),
-        p50_ms=_percentile_ms(lat, 50),
-        p95_ms=_percentile_ms(lat, 95),
-        missed=samples - len(lat),
+        samples=len(seen.write_s),
+        p50_ms=_percentile_ms(seen.write_s, 50),
+        p95_ms=_percentile_ms(seen.write_s, 95),
+        missed=seen.missed,
     )
 
 
@@ -1151,145 +1072,10 @@ def format_report(report: CoreReport) -> str:
     return "\n".join(out)
 
 
-def _csv(value: str) -> tuple[str, ...]:
-    items = tuple(v.strip().replace("-", "/") for v in value.split(",") if v.strip())
-    return items
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of ``persist bench core`` to ``parser``."""
-    d = BenchConfig()
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 64 MiB, 100 writes, 30 listen samples"
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument(
-        "--locations",
-        type=_csv,
-        default=None,
-        help=f"comma list of locations (default: {','.join(LOCATIONS)})",
-    )
-    parser.add_argument(
-        "--phases",
-        type=_csv,
-        default=None,
-        help="comma list of latency,listen,throughput,memory (default: all)",
-    )
-    parser.add_argument(
-        "--writes",
-        type=int,
-        default=None,
-        help=f"small writes timed per location (default {d.writes})",
-    )
-    parser.add_argument(
-        "--listen-samples",
-        type=int,
-        default=None,
-        help=f"writes per listen measurement (default {d.listen_samples})",
-    )
-    parser.add_argument(
-        "--listen-gap-ms",
-        type=float,
-        default=None,
-        help=f"max random gap between listen writes (default {d.listen_gap_ms})",
-    )
-    parser.add_argument(
-        "--size-mib",
-        type=int,
-        default=None,
-        help=f"Arrow MiB for throughput and memory (default {d.size_mib})",
-    )
-    parser.add_argument(
-        "--s3-size-mib",
-        type=int,
-        default=None,
-        help=f"Arrow MiB for s3/postgres throughput, 0 skips (default {d.s3_size_mib})",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help=f"throughput rounds, fastest kept (default {d.repeats})",
-    )
-    parser.add_argument(
-        "--part-mib",
-        type=int,
-        default=None,
-        help=f"B, the part target size in MiB (default {d.part_mib})",
-    )
-    parser.add_argument(
-        "--outstanding-parts",
-        type=int,
-        default=None,
-        help=f"N, parts in flight per writer (default {d.outstanding_parts})",
-    )
-    parser.add_argument(
-        "--postgres-url", default=None, help=f"PostgreSQL consensus URL (default {d.postgres_url})"
-    )
-    parser.add_argument("--workdir", default=None, help="directory for temporary files")
-
-
-def config_from_args(ns: argparse.Namespace) -> BenchConfig:
-    """A BenchConfig from parsed flags (``--quick`` first, explicit flags override it)."""
-    overrides: dict[str, Any] = {}
-    for name in (
-        "locations",
-        "phases",
-        "writes",
-        "listen_samples",
-        "listen_gap_ms",
-        "size_mib",
-        "s3_size_mib",
-        "repeats",
-        "part_mib",
-        "outstanding_parts",
-        "postgres_url",
-        "workdir",
-    ):
-        value = getattr(ns, name, None)
-        if value is not None:
-            overrides[name] = value
-    for loc in overrides.get("locations", ()):
-        if loc not in LOCATIONS:
-            raise ValueError(f"unknown location {loc!r}: use some of {', '.join(LOCATIONS)}")
-    for phase in overrides.get("phases", ()):
-        if phase not in BenchConfig.phases:
-            raise ValueError(
-                f"unknown phase {phase!r}: use some of {', '.join(BenchConfig.phases)}"
-            )
-    for name in (
-        "writes",
-        "listen_samples",
-        "size_mib",
-        "repeats",
-        "part_mib",
-        "outstanding_parts",
-    ):
-        if name in overrides and overrides[name] <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    return BenchConfig.quick(**overrides) if ns.quick else BenchConfig(**overrides)
-
-
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run the benchmark from parsed flags and print the report; returns the exit code."""
-    config = config_from_args(ns)
-
-    report = run_core(config, step)
-    if ns.json:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
-        print(format_report(report))
-    return 0
-
-
-def main(args: Sequence[str] | None = None) -> int:
-    """``python -m pyspark_persist.tools.bench.core``: the same as ``persist bench core``."""
-    parser = argparse.ArgumentParser(
-        prog="persist bench core", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(args))
-
+BENCHMARK = Benchmark(
+    "core", BenchConfig, lambda config: run_core(config, step), format_report, __doc__
+)
+"""``persist bench core``."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -21,9 +21,7 @@ p50/p99/max.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import multiprocessing
 import os
 import shutil
@@ -49,11 +47,60 @@ from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import Determinate, Indeterminate
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 SCHEMA = pa.schema([("writer", pa.int64()), ("seq", pa.int64()), ("k", pa.int64())])
 GIVE_UP_S = 120.0
 """A single write retrying for longer than this is reported as not committed."""
+MODES = ("threads", "processes")
+
+
+@dataclass(frozen=True)
+class LoadOptions(Options):
+    """How many writers, for how long, on which stores."""
+
+    writers: int = flag(16, "concurrent writers", quick=4, positive=True)
+    seconds: float = flag(60.0, "how long to write", quick=5.0, positive=True)
+    consensus: str = flag(POSTGRES_URL, "Consensus URI")
+    blob: str | None = flag(None, "Blob URI (default: a temporary file:// directory)")
+    mode: str = flag("threads", "writers as threads or spawned processes", choices=MODES)
+    rows_per_write: int = flag(10, "rows in each write", positive=True)
+
+
+@dataclass(frozen=True)
+class LatencyMs:
+    """Write latency, first attempt to acknowledgement, in ms."""
+
+    p50: float
+    p99: float
+    max: float
+
+
+@dataclass(frozen=True)
+class Report(Result):
+    """What the writers did, and whether every acknowledged write is there exactly once."""
+
+    mode: str
+    writers: int
+    seconds: float
+    consensus: str
+    rows_per_write: int
+    acked_writes: int
+    attempts: int
+    upper_mismatches: int
+    errors: int
+    gave_up: int
+    every_write_committed_exactly_once: bool
+    commits_per_s: float
+    rows_per_s: float
+    latency_ms: LatencyMs
+    per_writer_acked: list[int]
+    cpus: int | None
+
+    def exit_status(self) -> int:
+        """1 if some acknowledged write is missing or doubled."""
+        return 0 if self.every_write_committed_exactly_once else 1
 
 
 @dataclass
@@ -144,16 +191,10 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[i]
 
 
-def run(
-    writers: int = 16,
-    seconds: float = 60.0,
-    consensus: str = POSTGRES_URL,
-    blob: str | None = None,
-    *,
-    mode: str = "threads",
-    rows_per_write: int = 10,
-) -> dict[str, Any]:
-    """Run the load and verify it; return the figures (see the module doc)."""
+def run(options: LoadOptions) -> Report:
+    """Run the load and verify it (see the module doc)."""
+    writers, seconds, mode = options.writers, options.seconds, options.mode
+    consensus, blob, rows_per_write = options.consensus, options.blob, options.rows_per_write
     tmp = None
     if blob is None:
         tmp = tempfile.mkdtemp(prefix="persist-load-")
@@ -180,7 +221,7 @@ def run(
             for t in threads:
                 t.join()
             client.close()
-        elif mode == "processes":
+        else:
             ctx = multiprocessing.get_context("spawn")
             out = ctx.Queue()
             procs = [
@@ -197,8 +238,6 @@ def run(
                 stats[i] = WriterStats(**d)
             for p in procs:
                 p.join(timeout=30)
-        else:
-            raise ValueError(f"unknown mode {mode!r}: threads or processes")
         wall = time.perf_counter() - started
         # Every acknowledged write is there exactly once.
         with PersistClient(open_blob(blob), open_consensus(consensus), cache=StateCache()) as check:
@@ -220,74 +259,46 @@ def run(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     lat = sorted(x for s in stats.values() for x in s.latencies_s)
-    return {
-        "mode": mode,
-        "writers": writers,
-        "seconds": round(wall, 2),
-        "consensus": check.consensus.uri,
-        "rows_per_write": rows_per_write,
-        "acked_writes": acked,
-        "attempts": sum(s.attempts for s in stats.values()),
-        "upper_mismatches": sum(s.mismatches for s in stats.values()),
-        "errors": sum(s.errors for s in stats.values()),
-        "gave_up": sum(s.gave_up for s in stats.values()),
-        "every_write_committed_exactly_once": exact and not any(s.gave_up for s in stats.values()),
-        "commits_per_s": round(acked / wall, 1),
-        "rows_per_s": round(acked * rows_per_write / wall, 1),
-        "latency_ms": {
-            "p50": round(percentile(lat, 0.50) * 1000, 2),
-            "p99": round(percentile(lat, 0.99) * 1000, 2),
-            "max": round((lat[-1] if lat else 0.0) * 1000, 2),
-        },
-        "per_writer_acked": [stats[i].acked for i in sorted(stats)],
-        "cpus": os.cpu_count(),
-    }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of ``persist bench load`` to ``parser``."""
-    parser.add_argument("--writers", type=int, default=16, help="concurrent writers")
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long to write")
-    parser.add_argument("--consensus", default=POSTGRES_URL, help="Consensus URI")
-    parser.add_argument("--blob", default=None, help="default: a temporary file:// directory")
-    parser.add_argument("--mode", choices=("threads", "processes"), default="threads")
-    parser.add_argument("--rows-per-write", type=int, default=10)
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line; exit 1 if some acknowledged write is missing or duplicated."""
-    parser = argparse.ArgumentParser(
-        prog="python -m pyspark_persist.tools.bench.load", description=__doc__.splitlines()[0]
+    return Report(
+        mode=mode,
+        writers=writers,
+        seconds=round(wall, 2),
+        consensus=check.consensus.uri,
+        rows_per_write=rows_per_write,
+        acked_writes=acked,
+        attempts=sum(s.attempts for s in stats.values()),
+        upper_mismatches=sum(s.mismatches for s in stats.values()),
+        errors=sum(s.errors for s in stats.values()),
+        gave_up=sum(s.gave_up for s in stats.values()),
+        every_write_committed_exactly_once=exact and not any(s.gave_up for s in stats.values()),
+        commits_per_s=round(acked / wall, 1),
+        rows_per_s=round(acked * rows_per_write / wall, 1),
+        latency_ms=LatencyMs(
+            p50=round(percentile(lat, 0.50) * 1000, 2),
+            p99=round(percentile(lat, 0.99) * 1000, 2),
+            max=round((lat[-1] if lat else 0.0) * 1000, 2),
+        ),
+        per_writer_acked=[stats[i].acked for i in sorted(stats)],
+        cpus=os.cpu_count(),
     )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
 
 
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run with parsed flags; exit status 1 if some acknowledged write is missing or doubled."""
-    res = run(
-        ns.writers,
-        ns.seconds,
-        ns.consensus,
-        ns.blob,
-        mode=ns.mode,
-        rows_per_write=ns.rows_per_write,
+def render(res: Report) -> str:
+    """One line: the writes, their latency, and whether each is there exactly once."""
+    lat = res.latency_ms
+    return (
+        f"{res.writers} {res.mode} writers, {res.seconds} s on {res.consensus}: "
+        f"{res.acked_writes} writes acked ({res.attempts} attempts, "
+        f"{res.upper_mismatches} upper mismatches, {res.errors} errors), "
+        f"{res.commits_per_s} commits/s, {res.rows_per_s} rows/s, latency p50 "
+        f"{lat.p50} ms p99 {lat.p99} ms max {lat.max} ms; exactly once: "
+        f"{res.every_write_committed_exactly_once}"
     )
-    if ns.json:
-        print(json.dumps(res, indent=2))
-    else:
-        lat = res["latency_ms"]
-        print(
-            f"{res['writers']} {res['mode']} writers, {res['seconds']} s on {res['consensus']}: "
-            f"{res['acked_writes']} writes acked ({res['attempts']} attempts, "
-            f"{res['upper_mismatches']} upper mismatches, {res['errors']} errors), "
-            f"{res['commits_per_s']} commits/s, {res['rows_per_s']} rows/s, latency p50 "
-            f"{lat['p50']} ms p99 {lat['p99']} ms max {lat['max']} ms; exactly once: "
-            f"{res['every_write_committed_exactly_once']}"
-        )
-    return 0 if res["every_write_committed_exactly_once"] else 1
 
+
+BENCHMARK = Benchmark("load", LoadOptions, run, render, __doc__)
+"""``persist bench load``; its exit status is 1 if some acknowledged write is missing or
+doubled."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

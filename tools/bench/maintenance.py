@@ -26,15 +26,13 @@ consolidated size. Nothing here imports Spark.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,6 +42,7 @@ import pyarrow.parquet as pq
 from pyspark_persist.state import Committed, PersistClient, PersistConfig
 from pyspark_persist.state.parts import DIFF, TIME
 from pyspark_persist.tools.bench import step
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 
 SCHEMA = pa.schema([("k", pa.int64())])
 READ_TARGET = 10.0
@@ -54,14 +53,14 @@ SHARD = "bench-maintenance"
 
 
 @dataclass(frozen=True)
-class Options:
+class MaintenanceOptions(Options):
     """What to run."""
 
-    writes: int = 10_000
-    keys: int = 500
-    downgrade_every: int = 10
-    reads: int = 5
-    workdir: str | None = None
+    writes: int = flag(10_000, "one-row writes per side", quick=200, positive=True)
+    keys: int = flag(500, "distinct keys written round-robin", quick=50, positive=True)
+    downgrade_every: int = flag(10, "writes between since downgrades", positive=True)
+    reads: int = flag(5, "snapshot reads timed per side", positive=True)
+    workdir: str | None = flag(None, "directory for temporary files (default: the system's)")
 
 
 @dataclass(frozen=True)
@@ -94,10 +93,10 @@ class Figures:
 
 
 @dataclass(frozen=True)
-class Report:
+class Report(Result):
     """Both sides and the verdicts."""
 
-    options: Options
+    options: MaintenanceOptions
     on: Figures
     off: Figures
     exact: bool
@@ -154,7 +153,7 @@ def consolidated_parquet_bytes(table: pa.Table) -> int:
 
 
 def run_side(
-    root: str, maintenance: bool, opts: Options, progress: Callable[[str], None]
+    root: str, maintenance: bool, opts: MaintenanceOptions, progress: Callable[[str], None]
 ) -> tuple[Figures, pa.Table]:
     """Run the workload on a fresh file/sqlite location and measure it."""
     config = PersistConfig(maintenance=maintenance)
@@ -222,7 +221,7 @@ def _canonical(table: pa.Table) -> list[tuple[Any, ...]]:
     return sorted(zip(table.column("k").to_pylist(), table.column(DIFF).to_pylist(), strict=True))
 
 
-def run(opts: Options, progress: Callable[[str], None] = lambda _m: None) -> Report:
+def run(opts: MaintenanceOptions, progress: Callable[[str], None] = step) -> Report:
     """Run both sides in fresh directories (removed afterwards) and compare them."""
     if opts.workdir is not None:  # --workdir D: create D, as a user expects
         os.makedirs(opts.workdir, exist_ok=True)
@@ -290,60 +289,8 @@ def format_report(r: Report) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of ``persist bench maintenance`` to ``parser``."""
-    d = Options()
-    parser.add_argument(
-        "--writes", type=int, default=d.writes, help=f"one-row writes per side (default {d.writes})"
-    )
-    parser.add_argument(
-        "--keys",
-        type=int,
-        default=d.keys,
-        help=f"distinct keys written round-robin (default {d.keys})",
-    )
-    parser.add_argument(
-        "--downgrade-every",
-        type=int,
-        default=d.downgrade_every,
-        help=f"writes between since downgrades (default {d.downgrade_every})",
-    )
-    parser.add_argument(
-        "--reads",
-        type=int,
-        default=d.reads,
-        help=f"snapshot reads timed per side (default {d.reads})",
-    )
-    parser.add_argument("--workdir", default=None, help="directory for temporary files")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def options_from_args(ns: argparse.Namespace) -> Options:
-    """Options from parsed flags; counts must be positive."""
-    for name in ("writes", "keys", "downgrade_every", "reads"):
-        if getattr(ns, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    return Options(ns.writes, ns.keys, ns.downgrade_every, ns.reads, ns.workdir)
-
-
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run from parsed flags and print the report; returns the exit code."""
-    opts = options_from_args(ns)
-
-    report = run(opts, step)
-    print(json.dumps(report.to_json(), indent=2) if ns.json else format_report(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``persist bench maintenance`` (also ``python -m`` this module)."""
-    parser = argparse.ArgumentParser(
-        prog="persist bench maintenance",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
-
+BENCHMARK = Benchmark("maintenance", MaintenanceOptions, run, format_report, __doc__)
+"""``persist bench maintenance``."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -21,12 +21,7 @@ only) and ``polling`` (PubSub off). Targets: PubSub p50 commit->listen
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import functools
-import json
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -34,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +41,9 @@ from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.tools.bench import step
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, csv, flag
+from pyspark_persist.tools.bench.listen import probe_listen
 
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 SCHEMA = pa.schema([("id", pa.int64())])
@@ -53,6 +51,21 @@ LOCATIONS = ("file/postgres", "file/sqlite")
 IDLE_LISTENERS = 10
 TARGET_P50_MS = 5.0
 TARGET_RATIO = 20.0
+
+
+@dataclass(frozen=True)
+class PubSubOptions(Options):
+    """What to run."""
+
+    locations: tuple[str, ...] = flag(
+        LOCATIONS, "comma list of locations", parse=csv, choices=LOCATIONS
+    )
+    samples: int = flag(60, "writes per mode", quick=15, positive=True)
+    gap_min_ms: float = flag(50.0, "least gap between two writes, ms")
+    gap_max_ms: float = flag(250.0, "most gap between two writes, ms")
+    idle_seconds: float = flag(10.0, "how long the idle listeners wait", quick=2.0, positive=True)
+    seed: int = flag(7, "seed of the random gaps")
+    postgres_url: str = flag(POSTGRES_URL, "PostgreSQL consensus URL")
 
 
 @dataclass
@@ -68,6 +81,75 @@ class ModeResult:
     write_p95_ms: float
     idle_reads_per_s: float
     missed: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One PubSub mode against polling at its location, and whether the targets hold."""
+
+    location: str
+    mode: str
+    p50_ok: bool
+    latency_ratio: float
+    """Polling's commit->listen p50 over this mode's."""
+    latency_ratio_ok: bool
+    idle_ratio: float
+    """Polling's idle Consensus reads over this mode's."""
+    idle_ratio_ok: bool
+
+
+@dataclass
+class Report(Result):
+    """Every location and mode of one run."""
+
+    options: PubSubOptions
+    results: list[ModeResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def mode(self, location: str, mode: str) -> ModeResult | None:
+        """The figures of ``mode`` at ``location``, if it ran."""
+        return next((r for r in self.results if (r.location, r.mode) == (location, mode)), None)
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        """Each PubSub mode beside polling at the same location."""
+        out = []
+        for r in self.results:
+            base = self.mode(r.location, "polling")
+            if r.mode == "polling" or base is None:
+                continue
+            lat = base.commit_p50_ms / r.commit_p50_ms if r.commit_p50_ms else float("inf")
+            idle = (
+                base.idle_reads_per_s / r.idle_reads_per_s if r.idle_reads_per_s else float("inf")
+            )
+            out.append(
+                Verdict(
+                    r.location,
+                    r.mode,
+                    r.commit_p50_ms <= TARGET_P50_MS,
+                    lat,
+                    lat >= TARGET_RATIO,
+                    idle,
+                    idle >= TARGET_RATIO,
+                )
+            )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures, the verdicts, the notes and what was run."""
+        o = self.options
+        return {
+            "results": [asdict(r) for r in self.results],
+            "verdicts": [asdict(v) for v in self.verdicts],
+            "notes": self.notes,
+            "config": {
+                "samples": o.samples,
+                "gap_ms": [o.gap_min_ms, o.gap_max_ms],
+                "idle_seconds": o.idle_seconds,
+                "idle_listeners": IDLE_LISTENERS,
+                "cpus": os.cpu_count(),
+            },
+        }
 
 
 def _client(uris: tuple[str, str], spec: str | None) -> PersistClient:
@@ -97,60 +179,27 @@ def _wait_healthy(client: PersistClient, shard: str, spec: str | None) -> None:
         time.sleep(0.01)
 
 
+def _row(i: int) -> pa.Table:
+    return pa.table({"id": [i]}, schema=SCHEMA)
+
+
 def measure_latency(
     uris: tuple[str, str], spec: str | None, samples: int, gap_ms: tuple[float, float], seed: int
-) -> tuple[list[float], list[float], int]:
-    """(commit->listen seconds, write->listen seconds, missed) for one mode."""
-    rng = random.Random(seed)
-    name = f"bench-pubsub-{uuid.uuid4().hex[:10]}"
+) -> tuple[Sequence[float], Sequence[float], int]:
+    """(commit->listen seconds, write->listen seconds, missed) for one mode: writer and
+    listener in separate clients, each with its own publisher (``spec``)."""
     wc, lc = _client(uris, spec), _client(uris, spec)
-    try:
-        wshard = wc.open_shard(name, SCHEMA)
-        writer = wshard.writer()
-        writer.append(pa.table({"id": [-1]}, schema=SCHEMA))
-        lshard = lc.open_shard(name)
-        reader = lshard.reader()
-        listen = reader.listen(reader.latest_as_of())
+
+    def settle(name: str) -> None:
         _wait_healthy(lc, name, spec)
         _wait_healthy(wc, name, spec)
-        listen.next(timeout_s=0.2)  # catch-up read after subscribing
-        received: dict[int, float] = {}
-        cond = threading.Condition()
-        stop = threading.Event()
 
-        def loop() -> None:
-            while not stop.is_set():
-                ev = listen.next(timeout_s=0.2)
-                now = time.perf_counter()
-                if ev is None or not ev.parts:
-                    continue
-                ids = reader.fetch(ev.parts).column("id").to_pylist()
-                with cond:
-                    for i in ids:
-                        received.setdefault(i, now)
-                    cond.notify_all()
-
-        t = threading.Thread(target=loop, daemon=True, name="bench-pubsub-listener")
-        t.start()
-        before: dict[int, float] = {}
-        after: dict[int, float] = {}
-        try:
-            for i in range(samples):
-                time.sleep(rng.uniform(*gap_ms) / 1e3)
-                before[i] = time.perf_counter()
-                writer.append(pa.table({"id": [i]}, schema=SCHEMA))
-                after[i] = time.perf_counter()
-                with cond:
-                    cond.wait_for(functools.partial(received.__contains__, i), 10)
-        finally:
-            stop.set()
-            t.join(timeout=5)
-        commit = [received[i] - after[i] for i in after if i in received]
-        write = [received[i] - before[i] for i in before if i in received]
-        return commit, write, samples - len(commit)
+    try:
+        seen = probe_listen(wc, lc, SCHEMA, _row, samples, gap_ms, seed=seed, settle=settle)
     finally:
         _close(wc)
         _close(lc)
+    return seen.commit_s, seen.write_s, seen.missed
 
 
 def measure_idle(uris: tuple[str, str], spec: str | None, seconds: float) -> float:
@@ -194,19 +243,18 @@ def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) * 1e3 if values else float("nan")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every location and mode; return the results as a dict."""
-    results: list[ModeResult] = []
-    notes: list[str] = []
+def run(options: PubSubOptions) -> Report:
+    """Run every location and mode."""
+    report = Report(options)
     tmp = tempfile.mkdtemp(prefix="persist-bench-pubsub-")
     server = PubSubServer("127.0.0.1", 0).start()
     try:
-        for location in args.locations:
+        for location in options.locations:
             if location == "file/postgres":
                 try:
-                    open_consensus(args.postgres_url).close()
+                    open_consensus(options.postgres_url).close()
                 except Exception as e:  # noqa: BLE001 - skip with a note
-                    notes.append(f"skipped file/postgres: {str(e).splitlines()[0]}")
+                    report.notes.append(f"skipped file/postgres: {str(e).splitlines()[0]}")
                     continue
             modes: list[tuple[str, str | None]] = [("grpc", server.address)]
             if location == "file/postgres":
@@ -215,15 +263,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode, spec in modes:
                 d = os.path.join(tmp, uuid.uuid4().hex[:8])
                 os.makedirs(d)
-                cons = args.postgres_url if location == "file/postgres" else f"sqlite:///{d}/c.db"
-                uris = (f"file://{d}/blob", cons)
-                if not args.json:
-                    print(f"... {location} {mode}", file=sys.stderr, flush=True)
-                commit, write, missed = measure_latency(
-                    uris, spec, args.samples, (args.gap_min_ms, args.gap_max_ms), args.seed
+                cons = (
+                    options.postgres_url if location == "file/postgres" else f"sqlite:///{d}/c.db"
                 )
-                idle = measure_idle(uris, spec, args.idle_seconds)
-                results.append(
+                uris = (f"file://{d}/blob", cons)
+                step(f"pubsub: {location} {mode}")
+                commit, write, missed = measure_latency(
+                    uris,
+                    spec,
+                    options.samples,
+                    (options.gap_min_ms, options.gap_max_ms),
+                    options.seed,
+                )
+                idle = measure_idle(uris, spec, options.idle_seconds)
+                report.results.append(
                     ModeResult(
                         location,
                         mode,
@@ -239,117 +292,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    return {
-        "results": [asdict(r) for r in results],
-        "verdicts": _verdicts(results),
-        "notes": notes,
-        "config": {
-            "samples": args.samples,
-            "gap_ms": [args.gap_min_ms, args.gap_max_ms],
-            "idle_seconds": args.idle_seconds,
-            "idle_listeners": IDLE_LISTENERS,
-            "cpus": os.cpu_count(),
-        },
-    }
+    return report
 
 
-def _verdicts(results: list[ModeResult]) -> list[dict[str, Any]]:
-    out = []
-    for r in results:
-        if r.mode == "polling":
-            continue
-        base = next((p for p in results if p.location == r.location and p.mode == "polling"), None)
-        if base is None:
-            continue
-        lat_ratio = base.commit_p50_ms / r.commit_p50_ms if r.commit_p50_ms else float("inf")
-        idle_ratio = (
-            base.idle_reads_per_s / r.idle_reads_per_s if r.idle_reads_per_s else float("inf")
-        )
-        out.append(
-            {
-                "location": r.location,
-                "mode": r.mode,
-                "p50_ok": r.commit_p50_ms <= TARGET_P50_MS,
-                "latency_ratio": lat_ratio,
-                "latency_ratio_ok": lat_ratio >= TARGET_RATIO,
-                "idle_ratio": idle_ratio,
-                "idle_ratio_ok": idle_ratio >= TARGET_RATIO,
-            }
-        )
-    return out
-
-
-def _print(report: dict[str, Any]) -> None:
-    cfg = report["config"]
-    print(
-        f"persist bench pubsub  ({cfg['cpus']} cpus; {cfg['samples']} writes per mode, "
-        f"{cfg['gap_ms'][0]:.0f}-{cfg['gap_ms'][1]:.0f} ms apart; "
-        f"{cfg['idle_listeners']} idle listeners for {cfg['idle_seconds']:.0f} s)"
-    )
-    print()
-    print(
+def render(report: Report) -> str:
+    """The figures of every mode, then each PubSub mode's verdicts against polling."""
+    o = report.options
+    lines = [
+        f"persist bench pubsub  ({os.cpu_count()} cpus; {o.samples} writes per mode, "
+        f"{o.gap_min_ms:.0f}-{o.gap_max_ms:.0f} ms apart; "
+        f"{IDLE_LISTENERS} idle listeners for {o.idle_seconds:.0f} s)",
+        "",
+    ]
+    lines.append(
         f"  {'location':<14}{'mode':<11}{'commit->listen p50':>19}{'p95':>10}"
         f"{'write->listen p50':>19}{'p95':>10}{'idle reads/s':>14}"
     )
-    for r in report["results"]:
-        print(
-            f"  {r['location']:<14}{r['mode']:<11}{r['commit_p50_ms']:>16.2f} ms"
-            f"{r['commit_p95_ms']:>7.2f} ms{r['write_p50_ms']:>16.2f} ms"
-            f"{r['write_p95_ms']:>7.2f} ms"
-            f"{r['idle_reads_per_s']:>14.2f}" + (f"  ({r['missed']} missed)" if r["missed"] else "")
+    for r in report.results:
+        lines.append(
+            f"  {r.location:<14}{r.mode:<11}{r.commit_p50_ms:>16.2f} ms"
+            f"{r.commit_p95_ms:>7.2f} ms{r.write_p50_ms:>16.2f} ms"
+            f"{r.write_p95_ms:>7.2f} ms"
+            f"{r.idle_reads_per_s:>14.2f}" + (f"  ({r.missed} missed)" if r.missed else "")
         )
-    print()
-    for v in report["verdicts"]:
-        print(
-            f"  {v['location']} {v['mode']}: p50 <= {TARGET_P50_MS:.0f} ms "
-            f"{'ok' if v['p50_ok'] else 'MISSED'}; {v['latency_ratio']:.1f}x lower than polling "
-            f"{'ok' if v['latency_ratio_ok'] else 'MISSED'} (>= {TARGET_RATIO:.0f}x); idle reads "
-            f"{v['idle_ratio']:.1f}x fewer {'ok' if v['idle_ratio_ok'] else 'MISSED'}"
+    lines.append("")
+    for v in report.verdicts:
+        lines.append(
+            f"  {v.location} {v.mode}: p50 <= {TARGET_P50_MS:.0f} ms "
+            f"{'ok' if v.p50_ok else 'MISSED'}; {v.latency_ratio:.1f}x lower than polling "
+            f"{'ok' if v.latency_ratio_ok else 'MISSED'} (>= {TARGET_RATIO:.0f}x); idle reads "
+            f"{v.idle_ratio:.1f}x fewer {'ok' if v.idle_ratio_ok else 'MISSED'}"
         )
-    for n in report["notes"]:
-        print(f"  note: {n}")
+    for n in report.notes:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by ``main`` and a future ``persist bench pubsub``)."""
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument(
-        "--locations",
-        type=lambda s: tuple(s.split(",")),
-        default=LOCATIONS,
-        help="comma-separated: file/postgres,file/sqlite",
-    )
-    parser.add_argument("--samples", type=int, default=60, help="writes per mode")
-    parser.add_argument("--gap-min-ms", type=float, default=50.0)
-    parser.add_argument("--gap-max-ms", type=float, default=250.0)
-    parser.add_argument("--idle-seconds", type=float, default=10.0)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--postgres-url", default=POSTGRES_URL)
-
-
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run with parsed flags; print the report; return the exit status."""
-    if ns.quick:
-        ns.samples, ns.idle_seconds = min(ns.samples, 15), min(ns.idle_seconds, 2.0)
-    report = run(ns)
-    if ns.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(report)
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pyspark_persist.tools.bench.pubsub [--quick] [--json] [flags]``."""
-    parser = argparse.ArgumentParser(
-        prog="persist bench pubsub", description=__doc__.splitlines()[0] if __doc__ else None
-    )
-    add_arguments(parser)
-    with contextlib.suppress(KeyboardInterrupt):
-        return run_from_args(parser.parse_args(argv))
-    return 130
-
+BENCHMARK = Benchmark("pubsub", PubSubOptions, run, render, __doc__)
+"""``persist bench pubsub``."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

@@ -33,44 +33,33 @@ latency, time, bytes and counts (so above 1 always means persist is ahead).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime as dt
 import gc
-import importlib
 import importlib.util
-import io
 import json
 import math
 import os
 import platform
-import shlex
 import shutil
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 import pyarrow as pa
 
-from pyspark_persist.tools.bench import core, step
+from pyspark_persist.tools.bench import core, spark_freshness, spark_read, spark_write, step
 from pyspark_persist.tools.bench import maintenance as maint
 from pyspark_persist.tools.bench import pubsub as pubsub_bench
-from pyspark_persist.tools.bench.spark_freshness import P50_TARGET, P95_TARGET
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, command_line, flag, setting
 
 MiB = core.MiB
-SPARK_MODULES = ("spark_write", "spark_read", "spark_freshness")
-"""The Spark benchmarks (``pyspark_persist.tools.bench.<name>``) this report runs when present."""
-UNSIZED = frozenset({"spark_freshness"})
-"""The Spark benchmarks that take no ``--size-mib``."""
-SPARK_FLAGS = {"spark_write": ["--skip-latency"]}
-"""Flags a module runs with here: spark_freshness measures what spark_write's latency
-pipelines would, in steady state."""
 
 Progress = Callable[[str], None]
 
@@ -89,48 +78,30 @@ TITLES = {
 
 
 @dataclass(frozen=True)
-class ReportOptions:
-    """What ``persist bench all`` runs, and how big."""
+class ReportOptions(Options):
+    """What ``persist bench all`` runs, and how big; ``--quick``: tiny sizes for a smoke run
+    (well under a minute without Spark)."""
 
-    out: str = "./bench-report"
-    size_mib: int = 256
+    out: str = flag("./bench-report", "directory for report.md, report.png, report.json")
+    size_mib: int = flag(256, "Arrow MiB for throughput and memory", quick=8, positive=True)
     """Arrow MiB of generated rows for the throughput (persist, raw pyarrow, Delta) and memory."""
-    small_writes: int = 300
+    small_writes: int = flag(300, "one-row writes timed per location", quick=30, positive=True)
     """One-row writes timed per location (persist) and for Delta."""
-    warmup: int = 10
-    repeats: int = 2
+    warmup: int = setting(10, quick=3)
+    repeats: int = flag(2, "throughput rounds, fastest kept", quick=1, positive=True)
     """Throughput rounds; each figure keeps its fastest."""
-    part_mib: int = 64
-    pubsub_samples: int = 40
-    pubsub_gap_ms: tuple[float, float] = (20.0, 100.0)
-    pubsub_idle_seconds: float = 5.0
-    pubsub_locations: tuple[str, ...] = pubsub_bench.LOCATIONS
-    maintenance_writes: int = 2_000
-    maintenance_keys: int = 200
-    skip_spark: bool = False
-    quick: bool = False
-    postgres_url: str = core.POSTGRES_URL
-    workdir: str | None = None
-
-    @classmethod
-    def quick_options(cls, **overrides: Any) -> ReportOptions:
-        """Tiny sizes for a smoke run (well under a minute without Spark)."""
-        base: dict[str, Any] = dict(
-            size_mib=8,
-            small_writes=30,
-            warmup=3,
-            repeats=1,
-            part_mib=2,
-            pubsub_samples=8,
-            pubsub_gap_ms=(2.0, 10.0),
-            pubsub_idle_seconds=1.0,
-            pubsub_locations=("file/sqlite",),
-            maintenance_writes=200,
-            maintenance_keys=50,
-            quick=True,
-        )
-        base.update(overrides)
-        return cls(**base)
+    part_mib: int = flag(64, "persist's part target size B in MiB", quick=2, positive=True)
+    pubsub_samples: int = flag(40, "writes per PubSub mode", quick=8, positive=True)
+    pubsub_gap_ms: tuple[float, float] = setting((20.0, 100.0), quick=(2.0, 10.0))
+    pubsub_idle_seconds: float = setting(5.0, quick=1.0)
+    pubsub_locations: tuple[str, ...] = setting(pubsub_bench.LOCATIONS, quick=("file/sqlite",))
+    maintenance_writes: int = flag(
+        2_000, "one-row writes per maintenance side", quick=200, positive=True
+    )
+    maintenance_keys: int = setting(200, quick=50)
+    skip_spark: bool = flag(False, "do not run the Spark section")
+    postgres_url: str = flag(core.POSTGRES_URL, "PostgreSQL consensus URL")
+    workdir: str | None = flag(None, "directory for temporary files (default: the system's)")
 
 
 # ---------------------------------------------------------------------------
@@ -184,7 +155,7 @@ class Section:
 
 
 @dataclass
-class Report:
+class Report(Result):
     """Everything one ``persist bench all`` run measured."""
 
     options: ReportOptions
@@ -194,6 +165,12 @@ class Report:
     command: str = "persist bench all"
     raw: dict[str, Any] = field(default_factory=dict)
     """Each benchmark's own full results (JSON values), for report.json."""
+    chart: str | None = None
+    """The chart's file name beside report.md, if it was drawn."""
+
+    def exit_status(self) -> int:
+        """1 when a section failed (its reason is in the report)."""
+        return 1 if any(s.status == "failed" for s in self.sections) else 0
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain JSON values."""
@@ -605,49 +582,37 @@ def run_pubsub_section(opts: ReportOptions, say: Progress) -> tuple[Section, dic
         f"{pubsub_bench.IDLE_LISTENERS} listeners on a quiet shard for "
         f"{opts.pubsub_idle_seconds:g} s. Peer = the same persist with PubSub off (polling).",
     )
-    parser = argparse.ArgumentParser()
-    pubsub_bench.add_arguments(parser)
-    ns = parser.parse_args(
-        [
-            "--json",
-            "--locations",
-            ",".join(opts.pubsub_locations),
-            "--samples",
-            str(opts.pubsub_samples),
-            "--gap-min-ms",
-            str(lo),
-            "--gap-max-ms",
-            str(hi),
-            "--idle-seconds",
-            str(opts.pubsub_idle_seconds),
-            "--postgres-url",
-            opts.postgres_url,
-        ]
+    options = pubsub_bench.PubSubOptions(
+        locations=opts.pubsub_locations,
+        samples=opts.pubsub_samples,
+        gap_min_ms=lo,
+        gap_max_ms=hi,
+        idle_seconds=opts.pubsub_idle_seconds,
+        postgres_url=opts.postgres_url,
     )
     say(f"pubsub: {', '.join(opts.pubsub_locations)} (grpc, pg-notify, polling)")
-    result = pubsub_bench.run(ns)
-    sec.notes.extend(result.get("notes", []))
-    by = {(r["location"], r["mode"]): r for r in result["results"]}
+    result = pubsub_bench.run(options)
+    sec.notes.extend(result.notes)
     for loc in opts.pubsub_locations:
-        base = by.get((loc, "polling"))
+        base = result.mode(loc, "polling")
         if base is None:
             continue
         for mode in ("grpc", "pg-notify"):
-            r = by.get((loc, mode))
+            r = result.mode(loc, mode)
             if r is None:
                 continue
             row = Row(
                 f"commit->listen p50, {loc}, {mode}",
-                r["commit_p50_ms"],
+                r.commit_p50_ms,
                 "ms",
                 "polling (PubSub off)",
-                base["commit_p50_ms"],
+                base.commit_p50_ms,
                 chart="latency",
                 label=f"commit->listen p50, {loc}, {mode}",
             )
             adv = row.advantage
             met = (
-                r["commit_p50_ms"] <= pubsub_bench.TARGET_P50_MS
+                r.commit_p50_ms <= pubsub_bench.TARGET_P50_MS
                 and adv is not None
                 and adv >= pubsub_bench.TARGET_RATIO
             )
@@ -662,27 +627,27 @@ def run_pubsub_section(opts: ReportOptions, say: Progress) -> tuple[Section, dic
             sec.rows.append(
                 Row(
                     f"commit->listen p95, {loc}, {mode}",
-                    r["commit_p95_ms"],
+                    r.commit_p95_ms,
                     "ms",
                     "polling (PubSub off)",
-                    base["commit_p95_ms"],
+                    base.commit_p95_ms,
                 )
             )
             sec.rows.append(
                 Row(
                     f"write->listen p50, {loc}, {mode}",
-                    r["write_p50_ms"],
+                    r.write_p50_ms,
                     "ms",
                     "polling (PubSub off)",
-                    base["write_p50_ms"],
+                    base.write_p50_ms,
                 )
             )
             idle = Row(
                 f"idle Consensus reads/s, {loc}, {mode}",
-                r["idle_reads_per_s"],
+                r.idle_reads_per_s,
                 "reads/s",
                 "polling (PubSub off)",
-                base["idle_reads_per_s"],
+                base.idle_reads_per_s,
             )
             adv = idle.advantage
             sec.rows.append(
@@ -692,13 +657,13 @@ def run_pubsub_section(opts: ReportOptions, say: Progress) -> tuple[Section, dic
                     met=None if adv is None else adv >= pubsub_bench.TARGET_RATIO,
                 )
             )
-            missed = r["missed"] + base["missed"]
+            missed = r.missed + base.missed
             if missed:
                 sec.notes.append(
                     f"{loc}: {missed} write(s) never reached a listener in 10 s "
                     "(left out of the percentiles)"
                 )
-    return sec, result
+    return sec, result.to_json()
 
 
 # ---------------------------------------------------------------------------
@@ -707,7 +672,7 @@ def run_pubsub_section(opts: ReportOptions, say: Progress) -> tuple[Section, dic
 
 def run_maintenance_section(opts: ReportOptions, say: Progress) -> tuple[Section, dict[str, Any]]:
     """Many one-row writes with compaction and GC on and off (the maintenance benchmark)."""
-    mopts = maint.Options(
+    mopts = maint.MaintenanceOptions(
         writes=opts.maintenance_writes, keys=opts.maintenance_keys, workdir=opts.workdir
     )
     sec = Section(
@@ -769,172 +734,159 @@ def run_maintenance_section(opts: ReportOptions, say: Progress) -> tuple[Section
 # 5. Spark
 
 
-def _spark_module(name: str) -> Any | None:
-    full = f"pyspark_persist.tools.bench.{name}"
-    if importlib.util.find_spec(full) is None:
-        return None
-    return importlib.import_module(full)
+def spark_write_rows(result: spark_write.Report) -> list[Row]:
+    """persist's Spark write next to Spark Parquet's, and the discarding sink for scale."""
+    persist = result.figures("persist append")
+    parquet = result.figures("parquet append")
+    ratio = persist.mib_per_s / parquet.mib_per_s
+    return [
+        Row(
+            f"Spark job writing {result.size_mib:.0f} MiB ({persist.rows:,} rows)",
+            persist.mib_per_s,
+            "MiB/s",
+            "Spark Parquet writer, mode append",
+            parquet.mib_per_s,
+            higher_is_better=True,
+            target="ratio >= 1.0",
+            met=ratio >= 1.0,
+            chart="throughput",
+            label="Spark write",
+        ),
+        Row(
+            "(scale) the same write into a Python sink that discards the rows",
+            result.figures("discard").mib_per_s,
+            "MiB/s",
+            "Spark Parquet writer, mode append",
+            parquet.mib_per_s,
+            higher_is_better=True,
+            note="not persist: the most any Python Data Source sink reaches on this machine",
+        ),
+    ]
 
 
-def _run_main_json(mod: Any, argvs: Sequence[Sequence[str]]) -> tuple[list[str], dict[str, Any]]:
-    """Call ``mod.main(argv + ["--json"])`` with the first argv it accepts; parse its stdout.
-
-    Returns the argv used and the parsed JSON.
-    """
-    last: str = ""
-    for argv in argvs:
-        out, err = io.StringIO(), io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                status = mod.main([*argv, "--json"])
-        except SystemExit as e:  # argparse refused the flags: try the next argv
-            last = err.getvalue().strip() or f"exit {e.code}"
-            continue
-        if status not in (0, None):
-            raise RuntimeError(f"{mod.__name__}.main exited {status}: {err.getvalue()[-300:]}")
-        text = out.getvalue()
-        start = text.find("{")
-        if start < 0:
-            raise RuntimeError(f"{mod.__name__}.main printed no JSON")
-        parsed: dict[str, Any] = json.loads(text[start:])
-        return [*argv, "--json"], parsed
-    raise RuntimeError(f"{mod.__name__}.main refused every flag set: {last[-300:]}")
-
-
-def _by(items: Sequence[dict[str, Any]], key: str, value: str) -> dict[str, Any]:
-    """The entry of a benchmark's result list whose ``key`` starts with ``value``."""
-    for item in items:
-        if str(item.get(key, "")).startswith(value):
-            return item
-    raise KeyError(f"no {key}={value!r} in the benchmark's JSON")
-
-
-def spark_rows(name: str, result: dict[str, Any]) -> list[Row]:
-    """Rows from a Spark benchmark's JSON: persist's figures next to Spark Parquet's."""
-    rows: list[Row] = []
-    if name == "spark_write":
-        persist = _by(result["write"], "writer", "persist append")
-        parquet = _by(result["write"], "writer", "parquet append")
-        ratio = persist["mib_per_s"] / parquet["mib_per_s"]
-        rows.append(
-            Row(
-                f"Spark job writing {result['size_mib']:.0f} MiB ({persist['rows']:,} rows)",
-                persist["mib_per_s"],
-                "MiB/s",
-                "Spark Parquet writer, mode append",
-                parquet["mib_per_s"],
-                higher_is_better=True,
-                target="ratio >= 1.0",
-                met=ratio >= 1.0,
-                chart="throughput",
-                label="Spark write",
-            )
+def spark_freshness_rows(result: spark_freshness.Report) -> list[Row]:
+    """persist's two-query freshness next to the file pipeline's, and any Python sink's floor."""
+    persist, files = result.pipeline("persist"), result.pipeline("file")
+    rows = [
+        Row(
+            f"two-query freshness {q}, steady state (rate -> sink; a query tailing it)",
+            mine,
+            "ms",
+            "Spark file sink -> file source",
+            theirs,
+            target=f"<= {target}x file pipeline",
+            met=mine <= target * theirs,
+            chart="latency" if q == "p50" else None,
+            label="Spark freshness p50",
         )
-        discard = _by(result["write"], "writer", "discard")
-        rows.append(
-            Row(
-                "(scale) the same write into a Python sink that discards the rows",
-                discard["mib_per_s"],
-                "MiB/s",
-                "Spark Parquet writer, mode append",
-                parquet["mib_per_s"],
-                higher_is_better=True,
-                note="not persist: the most any Python Data Source sink reaches on this machine",
-            )
+        for q, mine, theirs, target in (
+            ("p50", persist.p50_ms, files.p50_ms, spark_freshness.P50_TARGET),
+            ("p95", persist.p95_ms, files.p95_ms, spark_freshness.P95_TARGET),
         )
-    elif name == "spark_freshness":
-        persist = _by(result["pipelines"], "kind", "persist")
-        files = _by(result["pipelines"], "kind", "file")
-        for q, target in (("p50", P50_TARGET), ("p95", P95_TARGET)):
-            rows.append(
-                Row(
-                    f"two-query freshness {q}, steady state (rate -> sink; a query tailing it)",
-                    persist[f"{q}_ms"],
-                    "ms",
-                    "Spark file sink -> file source",
-                    files[f"{q}_ms"],
-                    target=f"<= {target}x file pipeline",
-                    met=persist[f"{q}_ms"] <= target * files[f"{q}_ms"],
-                    chart="latency" if q == "p50" else None,
-                    label="Spark freshness p50",
-                )
-            )
-        rows.append(
-            Row(
-                "(scale) the earliest any Python sink commits a row after its micro-batch starts",
-                result["sink_floor_ms"],
-                "ms",
-                "Spark file sink -> file source",
-                files["p50_ms"],
-                note="not persist: a discarding sink's walCommit + queryPlanning + addBatch",
-            )
+    ]
+    rows.append(
+        Row(
+            "(scale) the earliest any Python sink commits a row after its micro-batch starts",
+            result.sink_floor_ms,
+            "ms",
+            "Spark file sink -> file source",
+            files.p50_ms,
+            note="not persist: a discarding sink's walCommit + queryPlanning + addBatch",
         )
-    elif name == "spark_read":
-        one = _by(result["timings"], "name", "persist 1/core")
-        two = _by(result["timings"], "name", "persist 2/core")
-        parquet = _by(result["timings"], "name", "spark parquet")
-        best = max(one["mib_per_s"], two["mib_per_s"])
-        rows.append(
-            Row(
-                f"Spark snapshot read, 1 partition per core ({one['partitions']} tasks)",
-                one["mib_per_s"],
-                "MiB/s",
-                "Spark Parquet reader",
-                parquet["mib_per_s"],
-                higher_is_better=True,
-                target="ratio >= 1.0",
-                met=best >= parquet["mib_per_s"],
-                chart="throughput",
-                label="Spark read",
-            )
-        )
-        rows.append(
-            Row(
-                f"Spark snapshot read, 2 partitions per core ({two['partitions']} tasks)",
-                two["mib_per_s"],
-                "MiB/s",
-                "persist, 1 partition per core",
-                one["mib_per_s"],
-                higher_is_better=True,
-                note="the best split count counts toward the read's target",
-            )
-        )
-        ceiling = _by(result["timings"], "name", "python source, no I/O")
-        rows.append(
-            Row(
-                "(scale) the same scan of a Python source that does no I/O",
-                ceiling["mib_per_s"],
-                "MiB/s",
-                "Spark Parquet reader",
-                parquet["mib_per_s"],
-                higher_is_better=True,
-                note="not persist: the most any Python Data Source reader reaches on this machine",
-            )
-        )
+    )
     return rows
 
 
-def _unit_of(key: str) -> str | None:
-    last = key.rsplit(".", 1)[-1]
-    if last.endswith("mib_s"):
-        return "MiB/s"
-    if last.endswith("_ms"):
-        return "ms"
-    if last.endswith("_s") and not last.endswith("per_s"):
-        return "s"
-    if last.endswith("ratio"):
-        return "x"
-    return None
+def spark_read_rows(result: spark_read.Report) -> list[Row]:
+    """persist's Spark scans next to Spark Parquet's, and the no-I/O source for scale."""
+    one, two = result.timing("persist 1/core"), result.timing("persist 2/core")
+    parquet = result.timing(spark_read.PARQUET)
+    best = max(one.mib_per_s, two.mib_per_s)
+    return [
+        Row(
+            f"Spark snapshot read, 1 partition per core ({one.partitions} tasks)",
+            one.mib_per_s,
+            "MiB/s",
+            "Spark Parquet reader",
+            parquet.mib_per_s,
+            higher_is_better=True,
+            target="ratio >= 1.0",
+            met=best >= parquet.mib_per_s,
+            chart="throughput",
+            label="Spark read",
+        ),
+        Row(
+            f"Spark snapshot read, 2 partitions per core ({two.partitions} tasks)",
+            two.mib_per_s,
+            "MiB/s",
+            "persist, 1 partition per core",
+            one.mib_per_s,
+            higher_is_better=True,
+            note="the best split count counts toward the read's target",
+        ),
+        Row(
+            "(scale) the same scan of a Python source that does no I/O",
+            result.timing(spark_read.CEILING).mib_per_s,
+            "MiB/s",
+            "Spark Parquet reader",
+            parquet.mib_per_s,
+            higher_is_better=True,
+            note="not persist: the most any Python Data Source reader reaches on this machine",
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class SparkRun:
+    """A Spark benchmark as this report runs it: its options from the report's, and the
+    rows its result gives."""
+
+    benchmark: Benchmark[Any, Any]
+    options: Callable[[ReportOptions], Options]
+    rows: Callable[[Any], list[Row]]
+
+
+SPARK_RUNS = (
+    SparkRun(
+        spark_write.BENCHMARK,
+        # spark_freshness measures what spark_write's latency pipelines would, in steady state.
+        lambda o: spark_write.SparkWriteOptions.make(
+            o.quick, skip_latency=True, **({} if o.quick else {"size_mib": float(o.size_mib)})
+        ),
+        spark_write_rows,
+    ),
+    SparkRun(
+        spark_read.BENCHMARK,
+        lambda o: spark_read.SparkReadOptions.make(
+            o.quick, **({} if o.quick else {"size_mib": o.size_mib})
+        ),
+        spark_read_rows,
+    ),
+    SparkRun(
+        spark_freshness.BENCHMARK,
+        lambda o: spark_freshness.FreshnessOptions.make(o.quick),
+        spark_freshness_rows,
+    ),
+)
+"""The Spark benchmarks, in the order the section runs them."""
+
+
+def _mib(options: Options) -> str:
+    """`` at N MiB`` for options with a size, else nothing."""
+    size = getattr(options, "size_mib", None)
+    return "" if size is None else f" at {size:g} MiB"
 
 
 def run_spark_section(opts: ReportOptions, say: Progress) -> tuple[Section, dict[str, Any]]:
     """The Spark sink and source next to Spark's Parquet file sink and source."""
+    runs = [(r, r.options(opts)) for r in SPARK_RUNS]
     sec = Section(
         "spark",
         TITLES["spark"],
-        "The Spark benchmarks (`spark_write`, `spark_read` at "
-        f"{opts.size_mib} MiB, `spark_freshness`), run in this process; peer = Spark's "
-        "built-in Parquet file sink / file source on the same rows in the same run.",
+        "The Spark benchmarks ("
+        + ", ".join(f"`{r.benchmark.name}`{_mib(o)}" for r, o in runs)
+        + "), run in this process; peer = Spark's built-in Parquet file sink / file source on "
+        "the same rows in the same run.",
     )
     if opts.skip_spark:
         sec.status, sec.reason = "not run", "`--skip-spark` was given"
@@ -943,36 +895,19 @@ def run_spark_section(opts: ReportOptions, say: Progress) -> tuple[Section, dict
         sec.status, sec.reason = "not run", "pyspark is not installed"
         return sec, {}
     raw: dict[str, Any] = {}
-    missing: list[str] = []
-    for name in SPARK_MODULES:
-        mod = _spark_module(name)
-        if mod is None:
-            missing.append(name)
-            continue
-        sized = name not in UNSIZED
-        say(f"spark: {name}" + (f" ({opts.size_mib} MiB)" if sized else ""))
-        flags = SPARK_FLAGS.get(name, [])
-        full = ["--size-mib", str(opts.size_mib), *flags] if sized else flags
-        argvs: list[list[str]] = (
-            [["--quick", *flags]] if opts.quick else [full, ["--quick", *flags]]
-        )
+    for spark_run, options in runs:
+        name = spark_run.benchmark.name
+        say(f"spark: {name}{_mib(options)}")
         try:
-            used, result = _run_main_json(mod, argvs)
+            result = spark_run.benchmark.run(options)
         except Exception as e:  # noqa: BLE001 - reported in the section, the run goes on
             sec.notes.append(f"{name} failed: {_first_line(e)}")
             continue
-        raw[name] = result
-        sec.notes.append(f"ran `{name}.main({used!r})`")
-        sec.rows.extend(spark_rows(name, result))
-    if missing:
-        sec.notes.append(
-            "not run (module not present): "
-            + ", ".join(f"`pyspark_persist.tools.bench.{m}`" for m in missing)
-        )
+        raw[name] = result.to_json()
+        sec.notes.append(f"ran `{command_line(spark_run.benchmark.prog, options)}`")
+        sec.rows.extend(spark_run.rows(result))
     if not raw:
-        sec.status = "not run" if missing and not sec.notes[:-1] else "failed"
-        sec.reason = "; ".join(sec.notes)
-        sec.notes = []
+        sec.status, sec.reason, sec.notes = "failed", "; ".join(sec.notes), []
     return sec, raw
 
 
@@ -994,10 +929,10 @@ def _guarded(
     return sec, raw
 
 
-def run_all(opts: ReportOptions, say: Progress, command: str = "persist bench all") -> Report:
+def run_all(opts: ReportOptions, say: Progress = step) -> Report:
     """Run every section in this process and return what was measured."""
     started = time.perf_counter()
-    report = Report(options=opts, machine=machine_info(), command=command)
+    report = Report(opts, machine_info(), command=command_line(BENCHMARK.prog, opts))
     holder: dict[str, core.CoreReport | None] = {"core": None}
 
     def core_fn() -> tuple[Section, dict[str, Any]]:
@@ -1028,6 +963,8 @@ def run_all(opts: ReportOptions, say: Progress, command: str = "persist bench al
 
 
 def _num(x: float) -> str:
+    """A figure for people; an int (a median of Spark's whole-ms phases) reads as a float."""
+    x = float(x)
     if not math.isfinite(x):
         return "inf"
     a = abs(x)
@@ -1097,7 +1034,7 @@ def machine_line(m: dict[str, Any]) -> str:
     )
 
 
-def to_markdown(report: Report, chart_name: str | None = "report.png") -> str:
+def to_markdown(report: Report) -> str:
     """The whole report as Markdown."""
     o = report.options
     out = [
@@ -1112,8 +1049,8 @@ def to_markdown(report: Report, chart_name: str | None = "report.png") -> str:
         "peer / persist for latency, time, bytes and counts: above 1 means persist is ahead.",
         "",
     ]
-    if chart_name:
-        out += [f"![throughput and latency, persist vs peers]({chart_name})", ""]
+    if report.chart:
+        out += [f"![throughput and latency, persist vs peers]({report.chart})", ""]
     for sec in report.sections:
         out += section_markdown(sec)
     return "\n".join(out).rstrip() + "\n"
@@ -1197,123 +1134,30 @@ def write_chart(report: Report, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Command line
+# The benchmark
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of ``persist bench all`` to ``parser``."""
-    d = ReportOptions()
-    parser.add_argument(
-        "--out",
-        default=d.out,
-        help=f"directory for report.md, report.png, report.json (default {d.out})",
-    )
-    parser.add_argument(
-        "--size-mib",
-        type=int,
-        default=None,
-        help=f"Arrow MiB for throughput and memory (default {d.size_mib})",
-    )
-    parser.add_argument(
-        "--small-writes",
-        type=int,
-        default=None,
-        help=f"one-row writes timed per location (default {d.small_writes})",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help=f"throughput rounds, fastest kept (default {d.repeats})",
-    )
-    parser.add_argument(
-        "--part-mib",
-        type=int,
-        default=None,
-        help=f"persist's part target size B in MiB (default {d.part_mib})",
-    )
-    parser.add_argument(
-        "--pubsub-samples",
-        type=int,
-        default=None,
-        help=f"writes per PubSub mode (default {d.pubsub_samples})",
-    )
-    parser.add_argument(
-        "--maintenance-writes",
-        type=int,
-        default=None,
-        help=f"one-row writes per maintenance side (default {d.maintenance_writes})",
-    )
-    parser.add_argument("--skip-spark", action="store_true", help="do not run the Spark section")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: tiny sizes (explicit flags still win)"
-    )
-    parser.add_argument(
-        "--postgres-url", default=None, help=f"PostgreSQL consensus URL (default {d.postgres_url})"
-    )
-    parser.add_argument("--workdir", default=None, help="directory for temporary files")
-
-
-def options_from_args(ns: argparse.Namespace) -> ReportOptions:
-    """ReportOptions from parsed flags (``--quick`` first, explicit flags override it)."""
-    overrides: dict[str, Any] = {"out": ns.out, "skip_spark": bool(ns.skip_spark)}
-    for name in (
-        "size_mib",
-        "small_writes",
-        "repeats",
-        "part_mib",
-        "pubsub_samples",
-        "maintenance_writes",
-        "postgres_url",
-        "workdir",
-    ):
-        value = getattr(ns, name, None)
-        if value is None:
-            continue
-        if isinstance(value, int) and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        overrides[name] = value
-    return ReportOptions.quick_options(**overrides) if ns.quick else ReportOptions(**overrides)
-
-
-def run_from_args(ns: argparse.Namespace, command: str = "persist bench all") -> int:
-    """Run every section, write report.md/.png/.json under ``--out``, print the Markdown.
-
-    ``command`` is the command line shown in the report. Returns 0, or 1 when
-    a section failed (its reason is in the report).
-    """
-    opts = options_from_args(ns)
-
+def run(opts: ReportOptions) -> Report:
+    """Run every section and write report.md, report.png and report.json under ``opts.out``."""
     os.makedirs(opts.out, exist_ok=True)
-    report = run_all(opts, step, command)
+    report = run_all(opts)
     chart = os.path.join(opts.out, "report.png")
-    chart_name: str | None = "report.png"
     try:
         write_chart(report, chart)
+        report.chart = "report.png"
     except ImportError as e:
         step(f"chart: not written ({_first_line(e)}; install matplotlib)")
-        chart_name = None
-    md = to_markdown(report, chart_name)
     with open(os.path.join(opts.out, "report.md"), "w") as f:
-        f.write(md)
+        f.write(to_markdown(report))
     with open(os.path.join(opts.out, "report.json"), "w") as f:
         json.dump(report.to_json(), f, indent=2, default=str)
-    print(md)
-    step(f"wrote {os.path.join(opts.out, 'report.md')}" + (f" and {chart}" if chart_name else ""))
-    return 1 if any(s.status == "failed" for s in report.sections) else 0
+    step(f"wrote {os.path.join(opts.out, 'report.md')}" + (f" and {chart}" if report.chart else ""))
+    return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``persist bench all`` / ``python -m pyspark_persist.tools.bench.report [flags]``."""
-    parser = argparse.ArgumentParser(
-        prog="persist bench all",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    add_arguments(parser)
-    args = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join(["persist bench all", *(shlex.quote(a) for a in args)])
-    return run_from_args(parser.parse_args(args), command)
-
+BENCHMARK = Benchmark("all", ReportOptions, run, to_markdown, __doc__)
+"""``persist bench all``: its output is report.md, and its exit status is 1 when a section
+failed."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

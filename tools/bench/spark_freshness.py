@@ -42,7 +42,6 @@ fixed cost is read there, beside the floor's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pkgutil
@@ -52,12 +51,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from pyspark_persist.tools.bench import ratio_text, step
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 
 P50_TARGET = 0.7
 P95_TARGET = 0.8
@@ -69,6 +68,24 @@ SINK_BEFORE_COMMIT = ("walCommit", "queryPlanning", "addBatch")
 stamped at the micro-batch's start, and a sink commits at the end of ``addBatch``)."""
 MIN_STEADY_BATCHES = 3
 STRETCH = 6
+
+
+@dataclass(frozen=True)
+class FreshnessOptions(Options):
+    """What to run."""
+
+    seconds: float = flag(40.0, "run time of each pipeline", quick=14.0, positive=True)
+    steady_seconds: float = flag(
+        10.0, "rows written before both queries ran this long are dropped", quick=4.0
+    )
+    rows_per_second: int = flag(50, "rate of the writers' source", positive=True)
+    pubsub: str = flag(
+        "auto",
+        "the persist pipeline's pubsub option: how its source hears of the sink's "
+        "commits (off to poll Consensus)",
+    )
+    master: str = flag("local[2]", "Spark master")
+    workdir: str | None = flag(None, "keep the stores here (default: a temporary directory)")
 
 
 @dataclass
@@ -89,7 +106,7 @@ class Pipeline:
 
 
 @dataclass
-class Report:
+class Report(Result):
     """Everything one run measured."""
 
     seconds: float
@@ -109,33 +126,12 @@ class Report:
     """Each reader with its writer outside Spark (see the module doc): freshness from the
     append, and the ``reader`` phases."""
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags."""
-    parser.add_argument(
-        "--seconds", type=float, default=None, help="run time of each pipeline (default 40)"
-    )
-    parser.add_argument(
-        "--steady-seconds",
-        type=float,
-        default=None,
-        help="rows written before both queries ran this long are dropped (default 10)",
-    )
-    parser.add_argument(
-        "--rows-per-second", type=int, default=50, help="rate of the writers' source (50)"
-    )
-    parser.add_argument(
-        "--pubsub",
-        default="auto",
-        help="the persist pipeline's pubsub option: how its source hears of the sink's "
-        "commits (default auto; off to poll Consensus)",
-    )
-    parser.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
-    parser.add_argument("--workdir", default=None, help="keep the stores here")
-    parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: 14 s per pipeline, steady after 4 s"
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    def pipeline(self, kind: str) -> Pipeline:
+        """The two-query pipeline ``kind`` (one of KINDS)."""
+        found = next((p for p in self.pipelines if p.kind == kind), None)
+        if found is None:
+            raise KeyError(f"no pipeline {kind!r}: the run has {[p.kind for p in self.pipelines]}")
+        return found
 
 
 def _session(master: str) -> Any:
@@ -449,31 +445,34 @@ def _waits(metrics_file: str, since: float) -> dict[str, float]:
     }
 
 
-def run(ns: argparse.Namespace, spark: Any = None) -> Report:
-    """Run every pipeline as ``ns`` says; in ``spark`` if given (then left running)."""
-    seconds = ns.seconds if ns.seconds is not None else (14.0 if ns.quick else 40.0)
-    steady = ns.steady_seconds if ns.steady_seconds is not None else (4.0 if ns.quick else 10.0)
-    workdir = ns.workdir or tempfile.mkdtemp(prefix="persist-bench-freshness-")
+def run(options: FreshnessOptions, spark: Any = None) -> Report:
+    """Run every pipeline as ``options`` says; in ``spark`` if given (then left running)."""
+    seconds, steady = options.seconds, options.steady_seconds
+    workdir = options.workdir or tempfile.mkdtemp(prefix="persist-bench-freshness-")
     os.makedirs(workdir, exist_ok=True)
     own = spark is None
-    session = _session(ns.master) if own else spark
+    session = _session(options.master) if own else spark
     _register(session)
-    report = Report(seconds, steady, ns.rows_per_second, ns.pubsub)
+    report = Report(seconds, steady, options.rows_per_second, options.pubsub)
     try:
         for kind in KINDS:
             step(f"spark-freshness: the {kind} pipeline, two queries ({seconds:.0f} s)")
             report.pipelines.append(
-                run_pipeline(session, kind, seconds, steady, ns.rows_per_second, workdir, ns.pubsub)
+                run_pipeline(
+                    session, kind, seconds, steady, options.rows_per_second, workdir, options.pubsub
+                )
             )
         for kind in KINDS:
             step(f"spark-freshness: the {kind} reader alone ({seconds:.0f} s)")
             report.alone.append(
-                run_alone(session, kind, seconds, steady, ns.rows_per_second, workdir, ns.pubsub)
+                run_alone(
+                    session, kind, seconds, steady, options.rows_per_second, workdir, options.pubsub
+                )
             )
     finally:
         if own:
             session.stop()
-        if ns.workdir is None:
+        if options.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     persist, files = report.pipelines[0], report.pipelines[1]
     report.p50_ratio = round(persist.p50_ms / files.p50_ms, 3)
@@ -569,22 +568,8 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run and print; 0 whether or not the targets are met."""
-    report = run(ns)
-    print(json.dumps(asdict(report), indent=2) if ns.json else render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pyspark_persist.tools.bench.spark_freshness [--quick] [--json]``."""
-    parser = argparse.ArgumentParser(
-        prog="persist bench spark-freshness",
-        description="Freshness of a persist sink -> persist source pipeline beside files.",
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
-
+BENCHMARK = Benchmark("spark-freshness", FreshnessOptions, run, render, __doc__)
+"""``persist bench spark-freshness``."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

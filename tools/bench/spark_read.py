@@ -38,7 +38,6 @@ shards and files live in a temporary ``--workdir`` (removed afterwards unless gi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -47,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +54,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pyspark_persist.tools.bench import ratio_text, step
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
@@ -73,15 +73,27 @@ SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("s", pa.string())]
 ROW_BYTES = 8 + 8 + 32 + 4  # Arrow bytes per row (string offsets included)
 
 
+PERSIST_READS = (
+    ("persist 1/core", SHARD, 1),
+    ("persist 2/core", SHARD, 2),
+    ("persist overwritten 1/core", OVERWRITTEN, 1),
+    ("persist overwritten 2/core", OVERWRITTEN, 2),
+)
+"""The persist reads timed, by name: the shard read and the partitions per core asked for
+(``minPartitions``, with a huge ``splitSizeBytes``)."""
+PARQUET = "spark parquet"
+"""The timing of Spark's Parquet reader."""
+
+
 @dataclass(frozen=True)
-class Options:
+class SparkReadOptions(Options):
     """What to run."""
 
-    size_mib: int = 1024
-    part_mib: int = 64
-    cores: int = 2
-    repeat: int = 2
-    workdir: str | None = None
+    size_mib: int = flag(1024, "Arrow MiB of data to read", quick=16, positive=True)
+    part_mib: int = flag(64, "part and Parquet file size in MiB", quick=2, positive=True)
+    cores: int = flag(2, "Spark local cores", positive=True)
+    repeat: int = flag(2, "timed scans per reader", quick=1, positive=True)
+    workdir: str | None = flag(None, "keep the data here (default: a temporary directory)")
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,7 @@ def generate(rows: int, start: int) -> pa.Table:
     return pa.table({"id": ids, "x": rng.random(rows), "s": s}, schema=SCHEMA)
 
 
-def write_data(opts: Options, home: str, parquet_dir: str) -> tuple[int, int]:
+def write_data(opts: SparkReadOptions, home: str, parquet_dir: str) -> tuple[int, int]:
     """Write the same rows to both shards and to Parquet files; (rows, Arrow bytes)."""
     from pyspark_persist.state import PersistClient, PersistConfig
     from pyspark_persist.state.parts import ARROW_ROWS
@@ -295,30 +307,166 @@ def cold_probe(source: str, workdir: str, cores: int, rows: int) -> dict[str, An
 
 def _run_cold_probe(source: str, workdir: str, cores: int, rows: int) -> dict[str, Any]:
     """:func:`cold_probe` in a new interpreter, so nothing of this session is warm."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pyspark_persist.tools.bench.spark_read",
-            "--cold-probe",
-            source,
-            "--workdir",
-            workdir,
-            "--cores",
-            str(cores),
-            "--probe-rows",
-            str(rows),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
+    call = (
+        "import json; from pyspark_persist.tools.bench.spark_read import cold_probe; "
+        f"print(json.dumps(cold_probe({source!r}, {workdir!r}, {cores}, {rows})))"
     )
+    out = subprocess.run([sys.executable, "-c", call], check=True, capture_output=True, text=True)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
-def run(opts: Options) -> dict[str, Any]:
-    """Generate, write, then time each reader; the report as a dict."""
+@dataclass
+class Report(Result):
+    """Every reader's best scan, by name, and the ratios the targets are judged on."""
+
+    options: SparkReadOptions
+    rows: int
+    arrow_mib: float
+    """The rows' Arrow MiB, to 0.1."""
+    write_s: float
+    """How long writing the data (shards and Parquet files) took, to 0.01 s."""
+    timings: list[Timing] = field(default_factory=list)
+
+    def timing(self, name: str) -> Timing:
+        """The reader ``name``'s timing (see :data:`PERSIST_READS`)."""
+        found = next((t for t in self.timings if t.name == name), None)
+        if found is None:
+            raise KeyError(f"no timing {name!r}: the run has {[t.name for t in self.timings]}")
+        return found
+
+    def _faster(self, one: str, two: str) -> Timing:
+        a, b = self.timing(one), self.timing(two)
+        return a if a.seconds <= b.seconds else b
+
+    @property
+    def appended(self) -> Timing:
+        """The appended shard's best split."""
+        return self._faster("persist 1/core", "persist 2/core")
+
+    @property
+    def overwritten(self) -> Timing:
+        """The overwritten shard's best split."""
+        return self._faster("persist overwritten 1/core", "persist overwritten 2/core")
+
+    def _over(self, peer: str, mine: Timing) -> float:
+        """How many times faster ``mine`` scanned than ``peer``."""
+        return self.timing(peer).seconds / mine.seconds
+
+    @property
+    def split_speedup(self) -> float:
+        """The appended shard read 2 partitions per core, against 1."""
+        return self.timing("persist 1/core").seconds / self.timing("persist 2/core").seconds
+
+    @property
+    def persist_vs_parquet(self) -> float:
+        """The appended shard against Spark's Parquet reader."""
+        return self._over(PARQUET, self.appended)
+
+    @property
+    def overwritten_vs_parquet(self) -> float:
+        """The overwritten shard against Spark's Parquet reader."""
+        return self._over(PARQUET, self.overwritten)
+
+    @property
+    def parquet_target(self) -> float:
+        """The least both may be."""
+        return PARQUET_TARGET
+
+    @property
+    def parquet_ok(self) -> bool:
+        """Both meet :data:`PARQUET_TARGET`."""
+        return min(self.persist_vs_parquet, self.overwritten_vs_parquet) >= PARQUET_TARGET
+
+    @property
+    def ceiling_vs_parquet(self) -> float:
+        """The no-I/O Python source against Spark's Parquet reader: the API's own limit."""
+        return self._over(PARQUET, self.timing(CEILING))
+
+    @property
+    def persist_vs_ceiling(self) -> float:
+        """The appended shard against the no-I/O Python source."""
+        return self._over(CEILING, self.appended)
+
+    @property
+    def overwritten_vs_ceiling(self) -> float:
+        """The overwritten shard against the no-I/O Python source."""
+        return self._over(CEILING, self.overwritten)
+
+    @property
+    def ceiling_target(self) -> float:
+        """The least both may be."""
+        return CEILING_TARGET
+
+    @property
+    def ceiling_ok(self) -> bool:
+        """Both meet :data:`CEILING_TARGET`."""
+        return min(self.persist_vs_ceiling, self.overwritten_vs_ceiling) >= CEILING_TARGET
+
+    @property
+    def cold_vs_warm(self) -> float:
+        """A fresh session's first persist read over its warm one."""
+        cold = self.timing(_cold_name("persist", True))
+        return cold.seconds / self.timing(_cold_name("persist", False)).seconds
+
+    @property
+    def ceiling_cold_vs_warm(self) -> float:
+        """The same for the no-I/O source: what is Spark's own."""
+        cold = self.timing(_cold_name(CEILING, True))
+        return cold.seconds / self.timing(_cold_name(CEILING, False)).seconds
+
+    @property
+    def cold_vs_ceiling_cold(self) -> float:
+        """persist's first read over the no-I/O source's."""
+        cold = self.timing(_cold_name("persist", True))
+        return cold.seconds / self.timing(_cold_name(CEILING, True)).seconds
+
+    @property
+    def cold_target(self) -> float:
+        """The most :attr:`cold_vs_warm` may be."""
+        return COLD_TARGET
+
+    @property
+    def cold_ok(self) -> bool:
+        """:attr:`cold_vs_warm` meets :data:`COLD_TARGET`."""
+        return self.cold_vs_warm <= COLD_TARGET
+
+    @property
+    def own_cpu(self) -> dict[str, dict[str, float] | None]:
+        """persist's own code's CPU in a scan, beside the no-I/O source's."""
+        ceiling = self.timing(CEILING)
+        return {
+            "appended": _own_cpu(self.appended, ceiling),
+            "overwritten": _own_cpu(self.overwritten, ceiling),
+        }
+
+    @property
+    def in_memory_vs_ceiling(self) -> float:
+        """The in-memory source against the no-I/O one."""
+        return self._over(CEILING, self.timing(IN_MEMORY))
+
+    @property
+    def persist_vs_in_memory(self) -> float:
+        """The appended shard against the in-memory source."""
+        return self._over(IN_MEMORY, self.appended)
+
+    @property
+    def overwritten_vs_in_memory(self) -> float:
+        """The overwritten shard against the in-memory source."""
+        return self._over(IN_MEMORY, self.overwritten)
+
+    @property
+    def own_cpu_vs_in_memory(self) -> dict[str, dict[str, float] | None]:
+        """persist's own code's CPU in a scan, beside the in-memory source's."""
+        in_memory = self.timing(IN_MEMORY)
+        return {
+            "appended": _own_cpu(self.appended, in_memory),
+            "overwritten": _own_cpu(self.overwritten, in_memory),
+        }
+
+
+def run(opts: SparkReadOptions) -> Report:
+    """Generate, write, then time each reader."""
     workdir = opts.workdir or tempfile.mkdtemp(prefix="persist-bench-spark-read-")
     home = os.path.join(workdir, "persist")
     parquet_dir = os.path.join(workdir, "parquet")
@@ -328,19 +476,14 @@ def run(opts: Options) -> dict[str, Any]:
         t0 = time.perf_counter()
         step(f"spark-read: writing {opts.size_mib} MiB of rows to two shards and Parquet files")
         nrows, nbytes = write_data(opts, home, parquet_dir)
-        write_s = time.perf_counter() - t0
+        mib = nbytes / MiB
+        report = Report(opts, nrows, round(mib, 1), round(time.perf_counter() - t0, 2))
         step(f"spark-read: starting Spark (local[{opts.cores}])")
         spark = _session(opts.cores)
         try:
-            mib = nbytes / MiB
             readers = {
                 name: _persist_df(spark, home, shard, per_core * opts.cores)
-                for name, shard, per_core in (
-                    ("persist 1/core", SHARD, 1),
-                    ("persist 2/core", SHARD, 2),
-                    ("persist overwritten 1/core", OVERWRITTEN, 1),
-                    ("persist overwritten 2/core", OVERWRITTEN, 2),
-                )
+                for name, shard, per_core in PERSIST_READS
             }
             files_bytes = sum(
                 os.path.getsize(os.path.join(parquet_dir, f)) for f in os.listdir(parquet_dir)
@@ -349,14 +492,14 @@ def run(opts: Options) -> dict[str, Any]:
                 "spark.sql.files.maxPartitionBytes",
                 str(max(1 << 20, files_bytes // (2 * opts.cores) + 1)),
             )
-            readers["spark parquet"] = spark.read.parquet(parquet_dir)
+            readers[PARQUET] = spark.read.parquet(parquet_dir)
             readers[CEILING] = _no_io_df(spark, nrows, opts.cores)
             readers[IN_MEMORY] = _no_io_df(spark, nrows, opts.cores, distinct=True)
             scans = _best_interleaved(list(readers.values()), opts.repeat)
-            timings = [
+            report.timings.extend(
                 _timing(name, df, scan, mib)
                 for (name, df), scan in zip(readers.items(), scans, strict=True)
-            ]
+            )
         finally:
             spark.stop()
         for source, label in zip(COLD_SOURCES, ("persist", CEILING), strict=True):
@@ -364,9 +507,9 @@ def run(opts: Options) -> dict[str, Any]:
             probe = _run_cold_probe(source, workdir, opts.cores, nrows)
             for when in ("first", "warm"):
                 scan = Scan(**probe[when])
-                timings.append(
+                report.timings.append(
                     Timing(
-                        f"{label} {'cold' if when == 'first' else 'warm'}, new session",
+                        _cold_name(label, when == "first"),
                         probe["partitions"],
                         scan.seconds,
                         mib / scan.seconds,
@@ -377,47 +520,12 @@ def run(opts: Options) -> dict[str, Any]:
     finally:
         if opts.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    one, two, over_one, over_two, parquet, ceiling, in_memory, *cold_probes = timings
-    cold, warm, ceiling_cold, ceiling_warm = cold_probes
-    appended = min(one.seconds, two.seconds)
-    over = over_one if over_one.seconds <= over_two.seconds else over_two
-    vs_parquet = parquet.seconds / appended
-    over_vs_parquet = parquet.seconds / over.seconds
-    vs_ceiling = ceiling.seconds / appended
-    over_vs_ceiling = ceiling.seconds / over.seconds
-    cold_ratio = cold.seconds / warm.seconds
-    ceiling_cold_ratio = ceiling_cold.seconds / ceiling_warm.seconds
-    best = one if one.seconds <= two.seconds else two
-    return {
-        "options": asdict(opts),
-        "rows": nrows,
-        "arrow_mib": round(mib, 1),
-        "write_s": round(write_s, 2),
-        "timings": [asdict(t) for t in timings],
-        "split_speedup": round(one.seconds / two.seconds, 3),
-        "persist_vs_parquet": round(vs_parquet, 3),
-        "overwritten_vs_parquet": round(over_vs_parquet, 3),
-        "parquet_target": PARQUET_TARGET,
-        "parquet_ok": min(vs_parquet, over_vs_parquet) >= PARQUET_TARGET,
-        "ceiling_vs_parquet": round(parquet.seconds / ceiling.seconds, 3),
-        "persist_vs_ceiling": round(vs_ceiling, 3),
-        "overwritten_vs_ceiling": round(over_vs_ceiling, 3),
-        "ceiling_target": CEILING_TARGET,
-        "ceiling_ok": min(vs_ceiling, over_vs_ceiling) >= CEILING_TARGET,
-        "cold_vs_warm": round(cold_ratio, 3),
-        "ceiling_cold_vs_warm": round(ceiling_cold_ratio, 3),
-        "cold_vs_ceiling_cold": round(cold.seconds / ceiling_cold.seconds, 3),
-        "cold_target": COLD_TARGET,
-        "cold_ok": cold_ratio <= COLD_TARGET,
-        "own_cpu": {"appended": _own_cpu(best, ceiling), "overwritten": _own_cpu(over, ceiling)},
-        "in_memory_vs_ceiling": round(ceiling.seconds / in_memory.seconds, 3),
-        "persist_vs_in_memory": round(in_memory.seconds / appended, 3),
-        "overwritten_vs_in_memory": round(in_memory.seconds / over.seconds, 3),
-        "own_cpu_vs_in_memory": {
-            "appended": _own_cpu(best, in_memory),
-            "overwritten": _own_cpu(over, in_memory),
-        },
-    }
+    return report
+
+
+def _cold_name(label: str, first: bool) -> str:
+    """The timing of a fresh session's first (or best warm) read of ``label``."""
+    return f"{label} {'cold' if first else 'warm'}, new session"
 
 
 def _own_cpu(persist: Timing, ceiling: Timing) -> dict[str, float] | None:
@@ -427,21 +535,21 @@ def _own_cpu(persist: Timing, ceiling: Timing) -> dict[str, float] | None:
     return None if own is None else {"seconds": own[0], "share": own[1]}
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_report(report: Report) -> str:
     """The report as text for people."""
     lines = [
-        f"persist Spark snapshot read: {report['rows']:,} rows, {report['arrow_mib']} MiB "
-        f"(Arrow), {report['options']['cores']} cores; data written in {report['write_s']} s",
+        f"persist Spark snapshot read: {report.rows:,} rows, {report.arrow_mib} MiB "
+        f"(Arrow), {report.options.cores} cores; data written in {report.write_s} s",
     ]
-    for t in report["timings"]:
+    for t in report.timings:
         lines.append(
-            f"  {t['name']:<42} {t['partitions']:>3} partitions  {t['seconds']:8.2f} s  "
-            f"{t['mib_per_s']:8.1f} MiB/s  "
-            + ("" if t.get("cpu_seconds") is None else f"{t['cpu_seconds']:7.2f} CPU s")
+            f"  {t.name:<42} {t.partitions:>3} partitions  {t.seconds:8.2f} s  "
+            f"{t.mib_per_s:8.1f} MiB/s  "
+            + ("" if t.cpu_seconds is None else f"{t.cpu_seconds:7.2f} CPU s")
             + (
                 ""
-                if t.get("worker_cpu_seconds") is None
-                else f" ({t['worker_cpu_seconds']:.2f} in Python workers)"
+                if t.worker_cpu_seconds is None
+                else f" ({t.worker_cpu_seconds:.2f} in Python workers)"
             )
         )
 
@@ -450,103 +558,48 @@ def format_report(report: dict[str, Any]) -> str:
 
     lines.append(
         f"  persist / Spark Parquet: appended "
-        f"{ratio_text(report['persist_vs_parquet'], PARQUET_TARGET)}, overwritten "
-        f"{ratio_text(report['overwritten_vs_parquet'], PARQUET_TARGET)} "
+        f"{ratio_text(report.persist_vs_parquet, PARQUET_TARGET)}, overwritten "
+        f"{ratio_text(report.overwritten_vs_parquet, PARQUET_TARGET)} "
         f"(target >= {PARQUET_TARGET}x: "
-        f"{verdict(report['parquet_ok'])})"
+        f"{verdict(report.parquet_ok)})"
     )
     lines.append(
         f"  persist / no-I/O Python source: appended "
-        f"{ratio_text(report['persist_vs_ceiling'], CEILING_TARGET)}, overwritten "
-        f"{ratio_text(report['overwritten_vs_ceiling'], CEILING_TARGET)} "
+        f"{ratio_text(report.persist_vs_ceiling, CEILING_TARGET)}, overwritten "
+        f"{ratio_text(report.overwritten_vs_ceiling, CEILING_TARGET)} "
         f"(target >= {CEILING_TARGET}x: "
-        f"{verdict(report['ceiling_ok'])}); that source / Spark Parquet: "
-        f"{report['ceiling_vs_parquet']:.2f}x"
+        f"{verdict(report.ceiling_ok)}); that source / Spark Parquet: "
+        f"{report.ceiling_vs_parquet:.2f}x"
     )
     lines.append(
-        f"  cold first read / warm: {ratio_text(report['cold_vs_warm'], COLD_TARGET)} "
+        f"  cold first read / warm: {ratio_text(report.cold_vs_warm, COLD_TARGET)} "
         f"(target <= {COLD_TARGET}x: "
-        f"{verdict(report['cold_ok'])}); the no-I/O source's own: "
-        f"{report['ceiling_cold_vs_warm']:.2f}x; persist cold / no-I/O cold: "
-        f"{report['cold_vs_ceiling_cold']:.2f}x; 2-way split / 1-way: "
-        f"{report['split_speedup']:.2f}x"
+        f"{verdict(report.cold_ok)}); the no-I/O source's own: "
+        f"{report.ceiling_cold_vs_warm:.2f}x; persist cold / no-I/O cold: "
+        f"{report.cold_vs_ceiling_cold:.2f}x; 2-way split / 1-way: "
+        f"{report.split_speedup:.2f}x"
     )
-    if "persist_vs_in_memory" in report:
-        lines.append(
-            f"  persist / in-memory Python source (distinct batches, no I/O): appended "
-            f"{report['persist_vs_in_memory']:.2f}x, overwritten "
-            f"{report['overwritten_vs_in_memory']:.2f}x; that source / the no-I/O one: "
-            f"{report['in_memory_vs_ceiling']:.2f}x"
-        )
-    for key, peer in (("own_cpu", "no-I/O"), ("own_cpu_vs_in_memory", "in-memory")):
-        own = report.get(key) or {}
-        if own.get("appended") and own.get("overwritten"):
+    lines.append(
+        f"  persist / in-memory Python source (distinct batches, no I/O): appended "
+        f"{report.persist_vs_in_memory:.2f}x, overwritten "
+        f"{report.overwritten_vs_in_memory:.2f}x; that source / the no-I/O one: "
+        f"{report.in_memory_vs_ceiling:.2f}x"
+    )
+    for own, peer in ((report.own_cpu, "no-I/O"), (report.own_cpu_vs_in_memory, "in-memory")):
+        appended, overwritten = own["appended"], own["overwritten"]
+        if appended and overwritten:
             lines.append(
                 f"  persist's own code (its Python workers' CPU beyond the {peer} source's): "
                 + ", ".join(
-                    f"{kind} {own[kind]['seconds']:.2f} s = {100 * own[kind]['share']:.1f}% "
-                    "of its scan's CPU"
-                    for kind in ("appended", "overwritten")
+                    f"{kind} {cpu['seconds']:.2f} s = {100 * cpu['share']:.1f}% of its scan's CPU"
+                    for kind, cpu in (("appended", appended), ("overwritten", overwritten))
                 )
             )
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags."""
-    parser.add_argument(
-        "--size-mib",
-        type=int,
-        default=None,
-        help="Arrow MiB of data to read (default 1024; 16 with --quick)",
-    )
-    parser.add_argument(
-        "--part-mib",
-        type=int,
-        default=None,
-        help="part and Parquet file size in MiB (default 64; 2 with --quick)",
-    )
-    parser.add_argument("--cores", type=int, default=2, help="Spark local cores (default 2)")
-    parser.add_argument("--repeat", type=int, default=None, help="timed scans per reader")
-    parser.add_argument("--workdir", default=None, help="keep the data here")
-    parser.add_argument("--quick", action="store_true", help="a small smoke run")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--cold-probe", choices=COLD_SOURCES, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-rows", type=int, default=0, help=argparse.SUPPRESS)
-
-
-def options_from_args(ns: argparse.Namespace) -> Options:
-    """Options from parsed flags (``--quick`` first, explicit flags override it)."""
-    quick = bool(ns.quick)
-    return Options(
-        size_mib=ns.size_mib or (16 if quick else 1024),
-        part_mib=ns.part_mib or (2 if quick else 64),
-        cores=ns.cores,
-        repeat=ns.repeat or (1 if quick else 2),
-        workdir=ns.workdir,
-    )
-
-
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run with parsed flags and print the report; 0 on success."""
-    if ns.cold_probe:  # the fresh-session child of run(): one JSON line
-        print(json.dumps(cold_probe(ns.cold_probe, ns.workdir, ns.cores, ns.probe_rows)))
-        return 0
-    report = run(options_from_args(ns))
-    print(json.dumps(report, indent=2) if ns.json else format_report(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pyspark_persist.tools.bench.spark_read [--quick] [--json] [flags]``."""
-    parser = argparse.ArgumentParser(
-        prog="persist bench spark-read",
-        description="Snapshot-read throughput through Spark, 1 and 2 partitions per core, "
-        "next to Spark's Parquet reader.",
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
-
+BENCHMARK = Benchmark("spark-read", SparkReadOptions, run, format_report, __doc__)
+"""``persist bench spark-read``."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())

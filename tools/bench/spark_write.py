@@ -54,8 +54,6 @@ on ``file://`` Blob + ``sqlite://`` Consensus there, Parquet files beside.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pkgutil
 import shutil
@@ -65,12 +63,12 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.tools.bench import ratio_text, step
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
 
 MiB = 1 << 20
@@ -110,6 +108,42 @@ NO_ARROW_BYTE_CAP = 2147483647
 DEFAULT_BATCH_ROWS = PersistConfig.read_batch_rows
 
 
+@dataclass(frozen=True)
+class SparkWriteOptions(Options):
+    """What to run."""
+
+    size_mib: float = flag(
+        1024.0, "DataFrame size for the throughput phase", quick=64.0, positive=True
+    )
+    master: str = flag("local[*]", "Spark master")
+    partitions: int | None = flag(
+        None, "partitions of the DataFrame (default: Spark's default parallelism)", positive=True
+    )
+    rows_per_second: int = flag(20, "rate of the latency pipelines' source", positive=True)
+    latency_seconds: float = flag(
+        40.0, "run time of each latency pipeline", quick=15.0, positive=True
+    )
+    warmup_seconds: float = flag(8.0, "samples of the first seconds are dropped", quick=5.0)
+    arrow_batch_rows: int | None = flag(
+        None,
+        "rows per Arrow batch Spark hands a Python sink "
+        f"({ARROW_BATCH_ROWS_CONF}; default Spark's, 10000). At "
+        f"{DEFAULT_BATCH_ROWS}, persist's stored batch, persist's parts take Spark's batches "
+        "as they come. Parquet's writer does not use Arrow: only the Python sinks see it",
+        positive=True,
+    )
+    lift_arrow_byte_cap: bool = flag(
+        False,
+        f"set {ARROW_BYTE_CAP_CONF} to {NO_ARROW_BYTE_CAP}, so Spark stops measuring "
+        "each Arrow batch for a Python sink after every row (see docs/spark.md, Bulk writes)",
+    )
+    skip_latency: bool = flag(False, "throughput only")
+    skip_throughput: bool = flag(False, "latency only")
+    workdir: str | None = flag(
+        None, "directory for the stores (default: a temp dir, removed after)"
+    )
+
+
 @dataclass
 class WriteFigures:
     """One writer's throughput."""
@@ -141,7 +175,7 @@ class LatencyFigures:
 
 
 @dataclass
-class Report:
+class Report(Result):
     """Everything one run measured, plus whether each target was met."""
 
     size_mib: float
@@ -170,66 +204,12 @@ class Report:
     targets: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by ``main`` and ``persist bench spark-write``)."""
-    parser.add_argument(
-        "--size-mib",
-        type=float,
-        default=None,
-        help="DataFrame size for the throughput phase (default 1024; 64 quick)",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: 64 MiB and 15 s per latency pipeline"
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
-    parser.add_argument(
-        "--partitions",
-        type=int,
-        default=None,
-        help="partitions of the DataFrame (default: Spark's default parallelism)",
-    )
-    parser.add_argument(
-        "--rows-per-second",
-        type=int,
-        default=20,
-        help="rate of the latency pipelines' source (default 20)",
-    )
-    parser.add_argument(
-        "--latency-seconds",
-        type=float,
-        default=None,
-        help="run time of each latency pipeline (default 40; 15 quick)",
-    )
-    parser.add_argument(
-        "--warmup-seconds",
-        type=float,
-        default=None,
-        help="samples of the first seconds are dropped (default 8; 5 quick)",
-    )
-    parser.add_argument(
-        "--arrow-batch-rows",
-        type=int,
-        default=None,
-        help="rows per Arrow batch Spark hands a Python sink "
-        "(spark.sql.execution.arrow.maxRecordsPerBatch; default Spark's, 10000). At "
-        f"{DEFAULT_BATCH_ROWS}, persist's stored batch, persist's parts take Spark's batches "
-        "as they come. Parquet's writer does not use Arrow: only the Python sinks see it",
-    )
-    parser.add_argument(
-        "--lift-arrow-byte-cap",
-        action="store_true",
-        help=f"set {ARROW_BYTE_CAP_CONF} to {NO_ARROW_BYTE_CAP}, so Spark stops measuring "
-        "each Arrow batch for a Python sink after every row (see docs/spark.md, Bulk writes)",
-    )
-    parser.add_argument("--skip-latency", action="store_true", help="throughput only")
-    parser.add_argument("--skip-throughput", action="store_true", help="latency only")
-    parser.add_argument(
-        "--workdir",
-        default=None,
-        help="directory for the stores (default: a temp dir, removed after)",
-    )
+    def figures(self, writer: str) -> WriteFigures:
+        """The throughput of ``writer`` (a key of PEERS or a value, ``discard``...)."""
+        found = next((w for w in self.write if w.writer == writer), None)
+        if found is None:
+            raise KeyError(f"no writer {writer!r}: the run has {[w.writer for w in self.write]}")
+        return found
 
 
 def _session(master: str, arrow_batch_rows: int | None = None, lift_byte_cap: bool = False) -> Any:
@@ -513,30 +493,28 @@ def _latency(
     )
 
 
-def run(ns: argparse.Namespace) -> Report:
-    """Run the benchmark as ``ns`` says and return the report."""
-    size = ns.size_mib if ns.size_mib is not None else (64.0 if ns.quick else 1024.0)
-    lat_s = ns.latency_seconds if ns.latency_seconds is not None else (15.0 if ns.quick else 40.0)
-    warmup = ns.warmup_seconds if ns.warmup_seconds is not None else (5.0 if ns.quick else 8.0)
-    workdir = ns.workdir or tempfile.mkdtemp(prefix="persist-bench-spark-")
+def run(options: SparkWriteOptions) -> Report:
+    """Run the benchmark with ``options``."""
+    size, lat_s, warmup = options.size_mib, options.latency_seconds, options.warmup_seconds
+    workdir = options.workdir or tempfile.mkdtemp(prefix="persist-bench-spark-")
     os.makedirs(workdir, exist_ok=True)
     opts = {
         "blob": f"file://{os.path.abspath(workdir)}/blob",
         "consensus": f"sqlite:///{os.path.abspath(workdir)}/consensus.db",
     }
-    spark = _session(ns.master, ns.arrow_batch_rows, ns.lift_arrow_byte_cap)
-    parts = ns.partitions or spark.sparkContext.defaultParallelism
+    spark = _session(options.master, options.arrow_batch_rows, options.lift_arrow_byte_cap)
+    parts = options.partitions or spark.sparkContext.defaultParallelism
     report = Report(
         size_mib=size,
         partitions=parts,
-        master=ns.master,
-        arrow_batch_rows=ns.arrow_batch_rows,
-        arrow_byte_cap_lifted=ns.lift_arrow_byte_cap,
+        master=options.master,
+        arrow_batch_rows=options.arrow_batch_rows,
+        arrow_byte_cap_lifted=options.lift_arrow_byte_cap,
     )
     try:
-        if not ns.skip_throughput:
+        if not options.skip_throughput:
             step(f"spark-write: caching {size:.0f} MiB of rows, then writing it per writer")
-            report.write = _throughput(spark, size, ns.partitions, opts, workdir)
+            report.write = _throughput(spark, size, options.partitions, opts, workdir)
             by = {w.writer: w for w in report.write}
             for mode, peer in PEERS.items():
                 report.mode_ratios[mode] = round(by[mode].rows_per_s / by[peer].rows_per_s, 3)
@@ -549,21 +527,21 @@ def run(ns: argparse.Namespace) -> Report:
             )
             report.targets["write_throughput_vs_parquet"] = report.write_ratio >= THROUGHPUT_TARGET
             report.own_cpu = _own_cpu(by)
-        if not ns.skip_latency:
+        if not options.skip_latency:
             for kind in ("persist", "parquet", "floor"):
                 step(f"spark-write: latency, the {kind} pipeline ({lat_s:.0f} s)")
                 report.latency.append(
-                    _latency(spark, kind, ns.rows_per_second, lat_s, warmup, opts, workdir)
+                    _latency(spark, kind, options.rows_per_second, lat_s, warmup, opts, workdir)
                 )
             persist, files, floor = report.latency
             report.latency_ratio = round(persist.p50_ms / files.p50_ms, 3)
             report.floor_latency_ratio = round(floor.p50_ms / files.p50_ms, 3)
             report.targets["latency_p50_vs_file_pipeline"] = report.latency_ratio <= LATENCY_TARGET
-        if ns.quick:
+        if options.quick:
             report.notes.append("quick run: sizes too small for the targets to mean much")
     finally:
         spark.stop()
-        if ns.workdir is None:
+        if options.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     return report
 
@@ -657,23 +635,8 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
-def run_from_args(ns: argparse.Namespace) -> int:
-    """Run and print (table or ``--json``); the exit status is 0 whether or not targets are met."""
-    report = run(ns)
-    print(json.dumps(asdict(report), indent=2) if ns.json else render(report))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``main(["--quick", "--json"])``."""
-    parser = argparse.ArgumentParser(
-        prog="persist bench spark-write",
-        description="Spark write throughput next to Parquet, and write-to-visible latency "
-        "of a persist streaming pipeline next to the same pipeline on files.",
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
-
+BENCHMARK = Benchmark("spark-write", SparkWriteOptions, run, render, __doc__)
+"""``persist bench spark-write``."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(BENCHMARK.main())
