@@ -73,11 +73,12 @@ from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import LeaseExpired, ShardDropped, ShardNotFound
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import LeasedPart, conform_columns, consolidate
-from pyspark_persist.state.planning import ReadLimits, plan_read
+from pyspark_persist.state.planning import LeasedPart, ReadLimits, plan_read
 from pyspark_persist.state.read import ReadHandle, iter_parts
+from pyspark_persist.state.schema import conform_columns
 from pyspark_persist.state.state import PartRef
 from pyspark_persist.state.times import check_readable
+from pyspark_persist.state.updates import consolidate
 from pyspark_persist.stream_reader import PersistInputPartition, read_partition
 
 log = logging.getLogger(__name__)

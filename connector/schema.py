@@ -13,7 +13,7 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import LongType, StructField, StructType
 
 from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
-from pyspark_persist.state.parts import DIFF, TIME, evolve_schema
+from pyspark_persist.state.schema import DIFF, TIME, evolve_schema
 
 
 def read_schema(shard_schema: pa.Schema) -> StructType:

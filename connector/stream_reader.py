@@ -70,9 +70,9 @@ from pyspark_persist.state.errors import (
 )
 from pyspark_persist.state.history import replay, state_at
 from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import TIME, LeasedPart, conform_columns, decode_schema
-from pyspark_persist.state.planning import NO_LIMITS, ReadLimits, plan_read
+from pyspark_persist.state.planning import NO_LIMITS, LeasedPart, ReadLimits, plan_read
 from pyspark_persist.state.read import ReadHandle, iter_parts
+from pyspark_persist.state.schema import TIME, conform_columns, decode_schema
 from pyspark_persist.state.state import ShardState
 from pyspark_persist.state.times import check_readable, describe
 

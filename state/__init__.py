@@ -35,7 +35,7 @@ until ``retry_timeout_s``, by one policy (:mod:`.retry`) that also logs any
 wait longer than a few seconds.
 
 Writing is two-phase: any number of processes stage parts
-(:class:`~.write.BatchBuilder`, bounded memory, streamed into Blob), then one
+(:class:`~.staging.BatchBuilder`, bounded memory, streamed into Blob), then one
 :meth:`~.write.WriteHandle.compare_and_append_batches` makes them all
 visible atomically at ``[expected_upper, new_upper)``. Tiny writes skip Blob
 and ride inline in the state diff, which is how a small write costs one
@@ -47,7 +47,7 @@ function of one state, :func:`~.planning.plan_read`: the collection at
 upper)`` (each event of :meth:`~.read.ReadHandle.listen`, a change feed, a
 streaming micro-batch), optionally capped and split over tasks. A reader
 *leases* the state it planned from, so GC keeps those parts until it is
-done; each part is a :class:`~.parts.LeasedPart` any process can fetch.
+done; each part is a :class:`~.planning.LeasedPart` any process can fetch.
 
 Maintenance is data too. After each commit the pure
 :func:`~.maintenance.requests_after_commit` says whether compaction (merge
@@ -90,9 +90,11 @@ from .client import (
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
 from .logs import configure_from_environment
-from .parts import DIFF, TIME, LeasedPart
+from .planning import LeasedPart
 from .read import Listen, ListenEvent, ReadHandle, Snapshot, iter_parts
-from .write import BatchBuilder, StagedBatch, WriteHandle
+from .schema import DIFF, TIME
+from .staging import BatchBuilder, StagedBatch
+from .write import WriteHandle
 
 __all__ = [
     "DIFF",

@@ -30,14 +30,9 @@ from .errors import (
 from .history import Commit, history, replay
 from .machine import DiffPublisher, Machine, Metrics, NoopPublisher, RunInfo
 from .maintenance import CompactionReport, GcReport, Maintenance
-from .parts import (
-    decode_schema,
-    encode_schema,
-    schema_mismatch_message,
-    validate_schema,
-)
 from .read import ReadHandle
 from .retention import parse_retention, set_retention
+from .schema import decode_schema, encode_schema, schema_mismatch_message, validate_schema
 from .state import ShardState, Time
 from .tracing import traced
 from .write import WriteHandle

@@ -57,27 +57,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import commands, retention
+from .columns import int_scalar
 from .config import PersistConfig
 from .consensus import VersionedData
 from .diff import decode
 from .errors import PartNotFound, PersistError, ShardDropped
+from .keys import part_key_created_ms
 from .machine import Machine, RunInfo
-from .parts import (
-    MAX_TIME,
-    TIME,
-    TIME_TYPE,
-    LeasedPart,
-    consolidate,
-    decode_schema,
-    int_scalar,
-    part_key_created_ms,
-    with_times,
-)
+from .planning import LeasedPart
 from .read import ReadHandle, iter_parts
+from .schema import MAX_TIME, TIME, TIME_TYPE, decode_schema
+from .staging import BatchBuilder, delete_staged
 from .state import Batch, ShardState
 from .tracing import traced
+from .updates import consolidate, with_times
 from .versions import read_history, rollup_key, write_rollup
-from .write import BatchBuilder, check_staged, delete_staged, never_committed
+from .write import check_staged, never_committed
 
 log = logging.getLogger(__name__)
 

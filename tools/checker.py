@@ -114,8 +114,8 @@ from pyspark_persist.state.errors import (
     PersistError,
 )
 from pyspark_persist.state.logs import configure as configure_logs
-from pyspark_persist.state.parts import TIME
 from pyspark_persist.state.registry import blob_kind, consensus_kind
+from pyspark_persist.state.schema import TIME
 from pyspark_persist.state.unreliable import (
     FAULT_KINDS,
     Faults,

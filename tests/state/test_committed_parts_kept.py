@@ -36,8 +36,8 @@ from pyspark_persist.state.errors import (
     StagedPartsExpired,
 )
 from pyspark_persist.state.maintenance import compact, compaction_request
+from pyspark_persist.state.staging import StagedBatch
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
-from pyspark_persist.state.write import StagedBatch
 
 
 class HookedConsensus(UnreliableConsensus):

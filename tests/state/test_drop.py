@@ -26,7 +26,7 @@ from pyspark_persist.state.errors import (
     ShardNotFound,
     StoreUnavailable,
 )
-from pyspark_persist.state.parts import encode_schema
+from pyspark_persist.state.schema import encode_schema
 from pyspark_persist.state.state import EMPTY_STATE
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 

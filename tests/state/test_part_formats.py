@@ -21,21 +21,14 @@ import pyarrow.compute as pc
 import pytest
 
 from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter_parts
+from pyspark_persist.state.codec import ARROW, ARROW_ROWS, PARQUET, iter_part_batches
 from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
-from pyspark_persist.state.parts import (
-    ARROW,
-    ARROW_ROWS,
-    PARQUET,
-    LeasedPart,
-    PartStats,
-    _column_bounds,
-    conform_updates,
-    fetch_part_bytes,
-    iter_part_batches,
-    part_ref,
-)
+from pyspark_persist.state.fetch import fetch_part_bytes
+from pyspark_persist.state.planning import LeasedPart
+from pyspark_persist.state.schema import conform_updates
+from pyspark_persist.state.staging import BatchBuilder
 from pyspark_persist.state.state import PartRef
-from pyspark_persist.state.write import BatchBuilder
+from pyspark_persist.state.stats import PartStats, _column_bounds, part_ref
 
 SCHEMA = pa.schema(
     [("id", pa.int64()), ("x", pa.float64()), ("name", pa.string()), ("flag", pa.bool_())]
@@ -445,7 +438,7 @@ def test_snapshot_shaping_sets_every_time_to_as_of_after_a_rewrite(client: Any) 
     as_of; a negated one reads with its diffs negated; a listen keeps the rewritten times."""
     from dataclasses import replace
 
-    from pyspark_persist.state.parts import shape_updates
+    from pyspark_persist.state.updates import shape_updates
 
     shard = client.open_shard("shape", SCHEMA)
     part = replace(stage(client, shard, [rows(100)], ARROW).parts[0], ts_rewrite=7)
@@ -755,7 +748,8 @@ def test_staging_a_part_imports_no_pandas() -> None:
 import sys
 import numpy as np
 import pyarrow as pa
-from pyspark_persist.state.parts import PartStats, TIME, DIFF
+from pyspark_persist.state.schema import DIFF, TIME
+from pyspark_persist.state.stats import PartStats
 n = 70000
 ids = np.arange(n, dtype=np.int64)
 table = pa.Table.from_arrays(
@@ -789,8 +783,9 @@ import sys
 import numpy as np
 import pyarrow as pa
 from pyspark_persist.state import PersistClient, PersistConfig, iter_parts
-from pyspark_persist.state.parts import ARROW, LeasedPart
-from pyspark_persist.state.write import BatchBuilder
+from pyspark_persist.state.codec import ARROW
+from pyspark_persist.state.planning import LeasedPart
+from pyspark_persist.state.staging import BatchBuilder
 config = PersistConfig(maintenance=False)
 client = PersistClient.open("mem://nopandas", "mem://nopandas", config=config)
 schema = pa.schema([("id", pa.int64())])
@@ -826,8 +821,8 @@ import sys
 import numpy as np
 import pyarrow as pa
 from pyspark_persist.state import PersistClient, PersistConfig
-from pyspark_persist.state.parts import ARROW
-from pyspark_persist.state.write import BatchBuilder
+from pyspark_persist.state.codec import ARROW
+from pyspark_persist.state.staging import BatchBuilder
 config = PersistConfig(compaction_fan_in=2, maintenance=False)
 client = PersistClient.open("mem://compact-np", "mem://compact-np", config=config)
 schema = pa.schema([("id", pa.int64())])

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pyspark_persist.state import PersistClient, PersistConfig
 from pyspark_persist.state.diff import DiffBuilder, decode, encode, full_diff
 from pyspark_persist.state.errors import CorruptData, PersistError
-from pyspark_persist.state.parts import DIFF, TIME, consolidate
+from pyspark_persist.state.schema import DIFF, TIME
 from pyspark_persist.state.state import (
     EMPTY_STATE,
     Batch,
@@ -33,6 +33,7 @@ from pyspark_persist.state.state import (
     StateDiff,
     WriterState,
 )
+from pyspark_persist.state.updates import consolidate
 
 FAST = settings(
     max_examples=60,

@@ -21,7 +21,7 @@ from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.commands import Committed
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.diff import encode, full_diff
-from pyspark_persist.state.parts import DIFF
+from pyspark_persist.state.schema import DIFF
 from pyspark_persist.state.state import ShardState
 
 SCHEMA = pa.schema([("k", pa.int64())])

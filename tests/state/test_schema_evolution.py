@@ -18,8 +18,9 @@ from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import SchemaMismatch
-from pyspark_persist.state.parts import DIFF, MAX_TIME, TIME, LeasedPart, decode_schema
+from pyspark_persist.state.planning import LeasedPart
 from pyspark_persist.state.read import iter_parts
+from pyspark_persist.state.schema import DIFF, MAX_TIME, TIME, decode_schema
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
