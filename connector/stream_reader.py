@@ -59,8 +59,24 @@ from pyspark_persist.options import (
     PersistOptions,
 )
 from pyspark_persist.source import blob_for, freeze_worker_heap
-from pyspark_persist.state import retry
-from pyspark_persist.state.changes import Behind, behind
+from pyspark_persist.state import (
+    NO_LIMITS,
+    TIME,
+    Behind,
+    LeasedPart,
+    Machine,
+    ReadHandle,
+    ReadLimits,
+    ShardState,
+    behind,
+    check_readable,
+    conform_columns,
+    decode_schema,
+    describe,
+    iter_parts,
+    plan_read,
+    state_at,
+)
 from pyspark_persist.state.errors import (
     DataLoss,
     InvalidFrontier,
@@ -68,13 +84,6 @@ from pyspark_persist.state.errors import (
     SchemaChanged,
     ShardDropped,
 )
-from pyspark_persist.state.history import replay, state_at
-from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.planning import NO_LIMITS, LeasedPart, ReadLimits, plan_read
-from pyspark_persist.state.read import ReadHandle, iter_parts
-from pyspark_persist.state.schema import TIME, conform_columns, decode_schema
-from pyspark_persist.state.state import ShardState
-from pyspark_persist.state.times import check_readable, describe
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +321,7 @@ class LeaseHolder:
             name = self._opts.spelled(STARTING_SEQNO)
             what = f"{name} {self._opts.starting_seqno} (from the upper SeqNo"
             what += f" {self._opts.starting_seqno - 1} left)"
-            with retry.deadline_in(self.machine.config.retry_timeout_s):
-                past = replay(state.shard_id, self.machine.consensus, self.machine.blob)
+            past = self._shard.replay()
             at = state_at(past, self._opts.starting_seqno - 1, f"persist source: {name}")
             lower = at.upper
             state = past.head if past.head.seqno > state.seqno else state

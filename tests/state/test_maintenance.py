@@ -41,15 +41,22 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.state import Committed, PersistClient, PersistConfig, Shard, UpperMismatch
+from pyspark_persist.state import (
+    ARROW,
+    DIFF,
+    TIME,
+    BatchBuilder,
+    Committed,
+    PersistClient,
+    PersistConfig,
+    Shard,
+    UpperMismatch,
+)
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
-from pyspark_persist.state.codec import ARROW
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import LeaseExpired
 from pyspark_persist.state.maintenance import compact, compaction_request
-from pyspark_persist.state.schema import DIFF, TIME
-from pyspark_persist.state.staging import BatchBuilder
 from pyspark_persist.state.state import ShardState
 
 SCHEMA = pa.schema([("k", pa.int64())])

@@ -20,14 +20,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter_parts
-from pyspark_persist.state.codec import ARROW, ARROW_ROWS, PARQUET, iter_part_batches
+from pyspark_persist.state import (
+    ARROW,
+    ARROW_ROWS,
+    DIFF,
+    PARQUET,
+    TIME,
+    BatchBuilder,
+    LeasedPart,
+    PartRef,
+    PersistClient,
+    PersistConfig,
+    iter_parts,
+)
+from pyspark_persist.state.codec import iter_part_batches
 from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
 from pyspark_persist.state.fetch import fetch_part_bytes
-from pyspark_persist.state.planning import LeasedPart
 from pyspark_persist.state.schema import conform_updates
-from pyspark_persist.state.staging import BatchBuilder
-from pyspark_persist.state.state import PartRef
 from pyspark_persist.state.stats import PartStats, _column_bounds, part_ref
 
 SCHEMA = pa.schema(
@@ -748,7 +757,7 @@ def test_staging_a_part_imports_no_pandas() -> None:
 import sys
 import numpy as np
 import pyarrow as pa
-from pyspark_persist.state.schema import DIFF, TIME
+from pyspark_persist.state import DIFF, TIME
 from pyspark_persist.state.stats import PartStats
 n = 70000
 ids = np.arange(n, dtype=np.int64)
@@ -782,10 +791,9 @@ def test_committing_and_reading_sink_parts_import_no_pandas() -> None:
 import sys
 import numpy as np
 import pyarrow as pa
-from pyspark_persist.state import PersistClient, PersistConfig, iter_parts
-from pyspark_persist.state.codec import ARROW
-from pyspark_persist.state.planning import LeasedPart
-from pyspark_persist.state.staging import BatchBuilder
+from pyspark_persist.state import (
+    ARROW, BatchBuilder, LeasedPart, PersistClient, PersistConfig, iter_parts
+)
 config = PersistConfig(maintenance=False)
 client = PersistClient.open("mem://nopandas", "mem://nopandas", config=config)
 schema = pa.schema([("id", pa.int64())])
@@ -820,9 +828,7 @@ def test_compacting_insert_only_parts_keeps_every_row_and_imports_no_pandas() ->
 import sys
 import numpy as np
 import pyarrow as pa
-from pyspark_persist.state import PersistClient, PersistConfig
-from pyspark_persist.state.codec import ARROW
-from pyspark_persist.state.staging import BatchBuilder
+from pyspark_persist.state import ARROW, BatchBuilder, PersistClient, PersistConfig
 config = PersistConfig(compaction_fan_in=2, maintenance=False)
 client = PersistClient.open("mem://compact-np", "mem://compact-np", config=config)
 schema = pa.schema([("id", pa.int64())])

@@ -9,9 +9,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig
+from pyspark_persist.state import DIFF, TIME, BatchBuilder, PersistClient, PersistConfig
 from pyspark_persist.state.codec import encode_inline
-from pyspark_persist.state.staging import BatchBuilder
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
 

@@ -41,8 +41,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pyspark_persist.state import Committed, PersistClient, PersistConfig
-from pyspark_persist.state.schema import DIFF, TIME
+from pyspark_persist.state import DIFF, TIME, Committed, PersistClient, PersistConfig
 from pyspark_persist.tools.bench import step
 
 SCHEMA = pa.schema([("k", pa.int64())])
