@@ -33,7 +33,7 @@ from pyspark_persist.state import (
     PersistConfig,
     iter_parts,
 )
-from pyspark_persist.state.codec import iter_part_batches
+from pyspark_persist.state.codec import PART_FORMATS, iter_part_batches
 from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
 from pyspark_persist.state.fetch import fetch_part_bytes
 from pyspark_persist.state.schema import conform_updates
@@ -414,6 +414,37 @@ def test_unknown_or_garbled_format_is_corrupt_data(client: Any) -> None:
         list(iter_part_batches(data, replace(part, fmt="orc"), shard.machine.shard_id))
     with pytest.raises(CorruptData, match="cannot be decoded"):
         list(iter_part_batches(data, replace(part, fmt=PARQUET), shard.machine.shard_id))
+
+
+@pytest.mark.parametrize("fmt", PART_FORMATS)
+def test_every_part_format_keeps_the_builders_contract(client: Any, fmt: str) -> None:
+    """Whatever the format's strategy: a tiny write rides inline (nothing in Blob); a larger
+    one becomes parts of that format near part_target_bytes, every update once, read back as
+    written; a builder aborted mid-write leaves nothing in Blob; a finished one takes no more."""
+    shard = client.open_shard(f"contract-{fmt}", SCHEMA)
+    prefix = f"{shard.machine.shard_id}/"
+    tiny = builder_for(client, shard, fmt)
+    tiny.add(rows(2))
+    assert [p.inline is not None for p in tiny.finish().parts] == [True]
+    assert not list(client.blob.list_keys(prefix))
+    big = builder_for(client, shard, fmt)
+    for i in range(40):
+        big.add(rows(100, i * 100))
+    staged = big.finish()
+    target = client.config.part_target_bytes
+    assert len(staged.parts) > 3 and sum(p.rows for p in staged.parts) == 4000
+    assert all(p.key and p.fmt == fmt and p.size_bytes < 2 * target for p in staged.parts)
+    with pytest.raises(InvalidUsage, match="already finished"):
+        big.add(rows(1))
+    aborted = builder_for(client, shard, fmt)
+    for i in range(40):
+        aborted.add(rows(100, i * 100))
+    aborted.abort()
+    left = sorted(m.key for m in client.blob.list_keys(prefix))
+    assert left == sorted(p.key for p in staged.parts)
+    shard.writer().compare_and_append_batches([staged], 0, 1, ts_rewrite=0)
+    expected = as_counter(rows(4000).append_column(DIFF, pa.repeat(1, 4000)))
+    assert as_counter(shard.reader().snapshot_table(0)) == expected
 
 
 def test_builder_refuses_an_unknown_format(client: Any) -> None:
