@@ -24,7 +24,8 @@ micro-batch between two stream offsets, capped by ``maxBytesPerTrigger``
 and friends) and ships the parts, split by size, as input partitions; each
 task fetches its parts from Blob and streams them as Arrow
 (``batch_reader.py``, ``stream_reader.py``). A streaming offset is a time
-(an upper), so a restarted query re-reads exactly the same updates.
+(an upper, computed by the pure functions of ``offsets.py``), so a restarted
+query re-reads exactly the same updates.
 
 ``DefaultSource`` (here) is the data source named ``persist``. Spark finds
 it by importing every top-level ``pyspark_*`` module, so this module stays

@@ -1,25 +1,13 @@
 """The streaming source: a snapshot split over many tasks, then listen ranges keyed by SeqNo.
 
-Offsets are JSON ``{"shard", "seqno", "upper", "phase", "as_of", "incarnation"}``: every
-update with a time below ``upper`` has been emitted (``phase: "listen"``), or
-nothing has and the next micro-batch reads the snapshot (``phase:
-"snapshot"``, at ``as_of`` if the user asked for a time). A read limit cuts
-the snapshot too: a ``snapshot`` offset with ``upper > 0`` says the updates at
-times below ``upper`` have been emitted, read as at ``as_of``, the snapshot's
-time (fixed by the first cut), and the next cut goes on from there; the last
-one ends at ``as_of + 1`` in ``listen``. A stream asked to
-start at a time or SeqNo without the snapshot (``startingTime``,
-``startingSeqNo``) starts in ``listen`` at that time. ``seqno`` is the
-state the offset was observed at, ``incarnation`` the id of the shard's
-creation (absent for a shard created before incarnations existed): a query
-whose checkpoint names a shard since dropped fails with ShardDropped rather
-than read the shard created again under its name. They are built only from
-values in state, so the same state always gives the same offset.
-
+Where each micro-batch starts and ends (the offsets, their JSON, the read
+limits, the starting positions, data loss) is decided by the pure functions
+of :mod:`pyspark_persist.offsets`; this module is the shell around them.
 Spark calls ``initialOffset``/``latestOffset``/``partitions``/``commit`` in
 one long-lived Python process on the driver, and ``read`` on executors. The
 driver side keeps a :class:`LeaseHolder`: a leased persist reader that
-leases the SeqNo of every part it hands out in ``partitions()``, and returns
+reads the state the offsets are computed from, leases the SeqNo of every part
+it hands out in ``partitions()``, and returns
 those leases (and downgrades its since to what was emitted) only when
 Spark's ``commit(end)`` says the micro-batch is done. So GC never deletes a
 part a running task still has to read, and if the driver dies, its reader
@@ -37,8 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
@@ -52,6 +39,8 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from pyspark_persist import offsets
+from pyspark_persist.offsets import Gap, MicroBatch, Offset, Start, Starting
 from pyspark_persist.options import (
     STARTING_AS_OF,
     STARTING_SEQNO,
@@ -62,89 +51,30 @@ from pyspark_persist.source import blob_for, freeze_worker_heap
 from pyspark_persist.state import (
     NO_LIMITS,
     TIME,
-    Behind,
     LeasedPart,
     Machine,
     ReadHandle,
     ReadLimits,
     ShardState,
-    behind,
-    check_readable,
     conform_columns,
     decode_schema,
-    describe,
     iter_parts,
     plan_read,
     state_at,
 )
-from pyspark_persist.state.errors import (
-    DataLoss,
-    InvalidFrontier,
-    InvalidUsage,
-    SchemaChanged,
-    ShardDropped,
-)
+from pyspark_persist.state.errors import DataLoss, SchemaChanged
 
 log = logging.getLogger(__name__)
 
 Splits = tuple[tuple[LeasedPart, ...], ...]
 """The parts of one micro-batch, one tuple per read task."""
 
+_Decided = TypeVar("_Decided", Start, MicroBatch)
+"""What the offsets decided past any data loss: a query's start, or a micro-batch's read."""
+
 COMMIT_WAIT_S = 0.01
 """How long ``latestOffset`` waits for a PubSub commit notice when nothing is new (about
 Spark's polling delay between triggers that found nothing)."""
-
-
-@dataclass(frozen=True)
-class Offset:
-    """A position in a shard's changelog; see the module doc."""
-
-    shard: str
-    seqno: int
-    upper: int
-    phase: str
-    as_of: int | None = None
-    incarnation: str = ""
-    """The shard's incarnation id (``ShardState.incarnation``); ``""``: unknown (an offset
-    checkpointed before incarnations existed, or of a shard created before them)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON Spark checkpoints."""
-        d: dict[str, Any] = {
-            "shard": self.shard,
-            "seqno": self.seqno,
-            "upper": self.upper,
-            "phase": self.phase,
-            "as_of": -1 if self.as_of is None else self.as_of,
-        }
-        if self.incarnation:
-            d["incarnation"] = self.incarnation
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], shard: str) -> Offset:
-        """Read an offset back, refusing one checkpointed for another shard."""
-        if d.get("shard") != shard:
-            raise InvalidUsage(
-                f"persist source: the checkpoint holds offsets of shard {d.get('shard')!r}, "
-                f"but this query reads shard {shard!r}: use a new checkpointLocation for a "
-                "different shard"
-            )
-        try:
-            as_of = int(d.get("as_of", -1))
-            phase = str(d["phase"])
-            if phase not in ("snapshot", "listen"):
-                raise ValueError(f"phase {phase!r}")
-            return cls(
-                shard,
-                int(d["seqno"]),
-                int(d["upper"]),
-                phase,
-                None if as_of < 0 else as_of,
-                str(d.get("incarnation", "")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidUsage(f"persist source: malformed offset {d!r} ({e})") from e
 
 
 class PersistInputPartition(InputPartition):
@@ -237,7 +167,11 @@ class HoldUpdater:
 
 
 class LeaseHolder:
-    """The driver-side half of the source: plans micro-batches and holds their leases."""
+    """The driver-side half of the source: the I/O around :mod:`pyspark_persist.offsets`.
+
+    It reads the state offsets are computed from, leases and plans the parts of each
+    micro-batch, holds those leases until Spark commits it, and records its figures.
+    """
 
     def __init__(self, opts: PersistOptions, schema: StructType | None = None) -> None:
         """``schema``: the query's (default: the shard's columns now)."""
@@ -292,58 +226,35 @@ class LeaseHolder:
 
     def initial_offset(self) -> Offset:
         """Where a new query starts: before the snapshot, or at the upper for 'latest'."""
-        state = self.current_state()
-        if self._opts.starting_position == "latest":
-            return Offset(
-                state.shard_id, state.seqno, state.upper, "listen", None, state.incarnation
-            )
-        if self._opts.starting_time is not None or self._opts.starting_seqno is not None:
-            return self._changes_from(state)
-        as_of = self._opts.starting_as_of
-        if as_of is not None:
-            try:
-                name = self._opts.spelled(STARTING_AS_OF)
-                check_readable(as_of, state.since, state.upper, name, state.shard_id)
-            except InvalidFrontier as e:
-                if as_of >= state.upper:
-                    raise InvalidFrontier(f"persist source: {e}") from None
-                as_of = self._data_loss(str(e), state.since)
-        return Offset(state.shard_id, 0, 0, "snapshot", as_of, state.incarnation)
+        state, starting = self._starting(self.current_state())
+        return self._settle(
+            offsets.initial_offset(state, starting, self._opts.fail_on_data_loss)
+        ).offset
 
-    def _changes_from(self, state: ShardState) -> Offset:
-        """startingTime T / startingSeqNo S: no snapshot, every change at a time from T on (or
-        committed from SeqNo S on: the times from the upper S - 1 left).
+    def _starting(self, state: ShardState) -> tuple[ShardState, Starting]:
+        """The starting options in times, and the state to start from.
 
-        Exactly the changes after the collection at ``T - 1``, which must be readable: below
-        since, compaction has merged them with older ones (data loss).
+        startingSeqNo S starts with the changes from the upper SeqNo S - 1 left, read
+        from the shard's history (whose head is the state to start from when newer).
         """
-        if self._opts.starting_seqno is not None:
-            name = self._opts.spelled(STARTING_SEQNO)
-            what = f"{name} {self._opts.starting_seqno} (from the upper SeqNo"
-            what += f" {self._opts.starting_seqno - 1} left)"
+        opts = self._opts
+        if opts.starting_position == "latest":
+            return state, Starting(latest=True)
+        if opts.starting_seqno is not None:
+            name = opts.spelled(STARTING_SEQNO)
+            what = f"{name} {opts.starting_seqno} (from the upper SeqNo"
+            what += f" {opts.starting_seqno - 1} left)"
             past = self._shard.replay()
-            at = state_at(past, self._opts.starting_seqno - 1, f"persist source: {name}")
-            lower = at.upper
+            at = state_at(past, opts.starting_seqno - 1, f"persist source: {name}")
             state = past.head if past.head.seqno > state.seqno else state
-        else:
-            lower = self._opts.starting_time or 0
-            what = self._opts.spelled(STARTING_TIME)
-        if lower > state.upper:
-            raise InvalidFrontier(
-                f"persist source: {what}: time {describe(lower)} is past the upper "
-                f"{describe(state.upper)} of shard {state.shard_id!r}: the changes from a time "
-                f"in [since, upper] = [{state.since}, {state.upper}] can be streamed; for only "
-                "new changes use startingPosition=latest"
+            return state, Starting(changes_from=at.upper, what=what)
+        if opts.starting_time is not None:
+            return state, Starting(
+                changes_from=opts.starting_time, what=opts.spelled(STARTING_TIME)
             )
-        if 0 < lower and lower - 1 < state.since:
-            lower = self._data_loss(
-                f"{what}: time {describe(lower)} needs the collection as of {lower - 1}, "
-                f"before the since {state.since} (the changes in [since, upper] = "
-                f"[{state.since}, {state.upper}] are kept apart; older ones were compacted "
-                "together)",
-                state.since + 1,
-            )
-        return Offset(state.shard_id, state.seqno, lower, "listen", None, state.incarnation)
+        if opts.starting_as_of is not None:
+            return state, Starting(as_of=opts.starting_as_of, what=opts.spelled(STARTING_AS_OF))
+        return state, Starting()
 
     def latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         """The end of the next micro-batch: everything available, cut by the read limit."""
@@ -408,74 +319,20 @@ class LeaseHolder:
 
     def _latest_offset(self, start: Offset, limit: ReadLimit) -> Offset:
         self.holds.check()
-        self._check_incarnation(start)
+        offsets.check_incarnation(self.machine.incarnation, start)
         state = self.current_state()
-        incarnation = state.incarnation
-        if (
-            start.phase == "listen"
-            and self.available_now_upper is None
-            and state.upper <= start.upper
-        ):
+        if self.available_now_upper is None and offsets.caught_up(state, start):
             state = self._wait_for_commit(state, start.upper)
         self.check_schema(state)
-        target = state.upper
-        if self.available_now_upper is not None:
-            target = min(target, self.available_now_upper)
-        if start.phase == "snapshot":
-            as_of = start.as_of
-            if as_of is None:
-                if target == 0:
-                    return start
-                as_of = target - 1  # the snapshot's time, fixed by the first cut's offset
-            elif as_of >= target:
-                return start  # the time asked for is not complete yet
-            # The snapshot at as_of is the updates at times [0, as_of], each read as at as_of:
-            # a cap cuts that time range where the trace's batches end.
-            cut = self._cut(state, start.upper, as_of + 1, limit, as_of)
-            if cut > as_of:
-                return Offset(state.shard_id, state.seqno, as_of + 1, "listen", None, incarnation)
-            return Offset(state.shard_id, state.seqno, cut, "snapshot", as_of, incarnation)
-        if target <= start.upper:
-            return start
-        end = self._cut(state, start.upper, target, limit)
-        return Offset(state.shard_id, state.seqno, end, "listen", None, incarnation)
-
-    def _check_incarnation(self, *offsets: Offset) -> None:
-        """ShardDropped when an offset (from the checkpoint) names another incarnation of the
-        shard than the one this query opened: the one it read was dropped since."""
-        for offset in offsets:
-            if offset.incarnation and offset.incarnation != self.machine.incarnation:
-                raise ShardDropped(
-                    f"persist source: this query's checkpoint holds offsets of shard "
-                    f"{offset.shard!r} as it was before it was dropped (persist shards drop); "
-                    "the shard of that name now was created again since, and this query never "
-                    "read it. Restart the query with a new checkpointLocation to read it"
-                )
-
-    def _cut(
-        self, state: ShardState, lower: int, target: int, limit: ReadLimit, as_of: int | None = None
-    ) -> int:
-        """Where the next micro-batch from ``lower`` ends: ``target``, or before under ``limit``."""
-        limits = _read_limits(limit)
-        if not limits.caps:
-            return target
-        uri = self._client.blob.uri
-        return plan_read(state, uri, as_of=as_of, lower=lower, upper=target, limits=limits).upper
+        return offsets.next_offset(state, start, _read_limits(limit), self.available_now_upper)
 
     def report_latest(self) -> dict[str, Any]:
         """The newest offset with ``behind``: what is left to read once the micro-batch being
         planned is done (the only figure a Python source can add to Spark's progress)."""
         state = self.machine.state()
-        latest = Offset(
-            state.shard_id, state.seqno, state.upper, "listen", None, state.incarnation
-        ).to_dict()
-        latest["behind"] = self._behind(state, self._last_end).to_dict()
+        latest = offsets.upper_offset(state).to_dict()
+        latest["behind"] = offsets.behind_end(state, self._last_end).to_dict()
         return latest
-
-    @staticmethod
-    def _behind(state: ShardState, end: Offset | None) -> Behind:
-        """What a query that has read up to ``end`` (nothing: None) still has to read."""
-        return behind(state, 0 if end is None else end.upper)
 
     def plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         """Lease and split the parts of ``(start, end]``; held until ``commit(end)``."""
@@ -496,34 +353,18 @@ class LeaseHolder:
 
     def _plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         self.holds.check()
-        self._check_incarnation(start, end)
-        if end.upper <= start.upper and start.phase == "listen":
+        offsets.check_incarnation(self.machine.incarnation, start, end)
+        if offsets.reads_nothing(start, end):
             return []
         state = self.machine.state()
         if state.seqno < end.seqno or state.upper < end.upper:
             state = self.machine.fetch_latest()
         self.check_schema(state)
-        if start.phase == "snapshot":
-            as_of = (
-                end.as_of if end.phase == "snapshot" and end.as_of is not None else end.upper - 1
-            )
-            if as_of < state.since:
-                as_of = self._data_loss(
-                    f"the snapshot at {as_of} is before the shard's since {state.since}",
-                    state.since,
-                )
-            if start.upper == 0 and end.phase == "listen":
-                splits = self._snapshot_splits(as_of)  # the whole snapshot in one micro-batch
-            else:
-                splits = self._snapshot_cut(state, start.upper, min(end.upper, as_of + 1), as_of)
+        batch = self._settle(offsets.micro_batch(state, start, end, self._opts.fail_on_data_loss))
+        if batch.whole_snapshot:  # the whole snapshot in one micro-batch
+            splits = self._snapshot_splits(batch)
         else:
-            lower = start.upper
-            if lower > 0 and lower - 1 < state.since:  # from 0 nothing was merged away
-                lower = self._data_loss(
-                    f"times [{lower}, {state.since}] were compacted before this query read them",
-                    state.since + 1,
-                )
-            splits = self._listen_splits(state, lower, end.upper)
+            splits = self._listen_splits(state, batch)
         blob_uri = self._client.blob.uri
         return [PersistInputPartition(blob_uri, s) for s in splits]
 
@@ -533,35 +374,17 @@ class LeaseHolder:
             split_bytes=self._opts.split_size_bytes, min_splits=self._opts.min_partitions
         )
 
-    def _snapshot_splits(self, as_of: int) -> Splits:
-        plan = self._reader.snapshot_plan(as_of, self._split_limits())
-        self._remember(as_of + 1, plan.seqno)
+    def _snapshot_splits(self, batch: MicroBatch) -> Splits:
+        plan = self._reader.snapshot_plan(batch.as_of, self._split_limits())
+        self._remember(batch.upper, plan.seqno)
         return plan.splits
 
-    def _snapshot_cut(self, state: ShardState, lower: int, upper: int, as_of: int) -> Splits:
-        """One cut of a capped snapshot: the updates at times [lower, upper), read as at as_of.
-
-        The cuts of one snapshot tile [0, as_of], so together they are the snapshot
-        (unconsolidated across cuts: an insert and its retraction may land in two
-        micro-batches; their diffs still sum to the collection). A restart replays the
-        same time range whatever compaction did meanwhile, unless it merged across the
-        cut (since past ``lower - 1``): that is data loss, as for a listen.
-        """
-        if lower > 0 and lower - 1 < state.since:
-            lower = self._data_loss(
-                f"the snapshot's times [{lower}, {state.since}] were compacted with earlier ones "
-                "before this query read them",
-                state.since + 1,
-            )
-        return self._listen_splits(state, lower, max(lower, upper), as_of)
-
-    def _listen_splits(
-        self, state: ShardState, lower: int, upper: int, as_of: int | None = None
-    ) -> Splits:
+    def _listen_splits(self, state: ShardState, batch: MicroBatch) -> Splits:
         state = self._reader.lease_state(state)  # in effect before any part is handed out
-        self._remember(upper, state.seqno)
+        self._remember(batch.upper, state.seqno)
         uri = self._client.blob.uri
         limits = self._split_limits()
+        lower, upper, as_of = batch.lower, batch.upper, batch.as_of
         return plan_read(state, uri, as_of=as_of, lower=lower, upper=upper, limits=limits).splits
 
     def _remember(self, end_upper: int, seqno: int) -> None:
@@ -579,7 +402,7 @@ class LeaseHolder:
             seqnos = [s for u in done for s in self._leased.pop(u)]
         for s in seqnos:
             self._reader.release(s)
-        self.holds.request(end.upper - 1 if end.phase == "listen" and end.upper > 0 else None)
+        self.holds.request(offsets.since_after(end))
 
     def _record(self, end: Offset, figures: dict[str, Any]) -> None:
         """Log a planned micro-batch's figures and the lag left after it; append them to
@@ -591,7 +414,7 @@ class LeaseHolder:
             "end": end.to_dict(),
             **figures,
             "upper": state.upper,
-            "behind": self._behind(state, end).to_dict(),
+            "behind": offsets.behind_end(state, end).to_dict(),
         }
         log.info("persist source micro-batch %s", json.dumps(line, sort_keys=True))
         if self._opts.metrics_file:
@@ -603,19 +426,22 @@ class LeaseHolder:
         self.holds.close()
         self._reader.close()
 
-    def _data_loss(self, what: str, resume: int) -> int:
-        if self._opts.fail_on_data_loss:
+    def _settle(self, decided: _Decided | Gap) -> _Decided:
+        """Apply failOnDataLoss to what the offsets decided: a gap refused is DataLoss; the
+        gaps skipped are logged."""
+        if isinstance(decided, Gap):
             raise DataLoss(
-                f"persist source, shard {self._opts.shard!r}: {what}. The data is gone; set "
-                "option failOnDataLoss=false to skip ahead to what is still readable"
+                f"persist source, shard {self._opts.shard!r}: {decided.what}. The data is gone; "
+                "set option failOnDataLoss=false to skip ahead to what is still readable"
             )
-        log.warning(
-            "shard %s: %s; failOnDataLoss=false: skipping ahead to %s",
-            self._opts.shard,
-            what,
-            resume,
-        )
-        return resume
+        for gap in decided.skipped:
+            log.warning(
+                "shard %s: %s; failOnDataLoss=false: skipping ahead to %s",
+                self._opts.shard,
+                gap.what,
+                gap.resume,
+            )
+        return decided
 
 
 def _read_limits(limit: ReadLimit) -> ReadLimits:

@@ -50,7 +50,7 @@ streaming micro-batch), optionally capped and split over tasks. A reader
 done; each part is a :class:`~.planning.LeasedPart` any process can fetch.
 
 Maintenance is data too. After each commit the pure
-:func:`~.maintenance.requests_after_commit` says whether compaction (merge
+:func:`~.maintenance_policy.requests_after_commit` says whether compaction (merge
 adjacent batches, advancing times below ``since``) or GC (delete what no
 reader can need, truncate Consensus below a rollup) is due; a background
 runner executes the requests, off the writer's path.
@@ -107,7 +107,7 @@ from .consensus import open_consensus
 from .history import Commit, Replay, state_at
 from .logs import configure_from_environment
 from .machine import Machine
-from .planning import NO_LIMITS, LeasedPart, ReadLimits, ReadPlan, plan_read
+from .planning import NO_LIMITS, LeasedPart, ReadLimits, ReadPlan, limited_upper, plan_read
 from .read import Listen, ListenEvent, ReadHandle, Snapshot, iter_parts
 from .registry import blob_kind, consensus_kind
 from .retention import parse_retention
@@ -122,7 +122,7 @@ from .schema import (
     evolve_schema,
 )
 from .staging import BatchBuilder, StagedBatch
-from .state import PartRef, ShardState
+from .state import PartRef, ShardState, Time
 from .times import check_readable, describe, parse_time
 from .updates import consolidate
 from .write import WriteHandle, abandon_staged
@@ -165,6 +165,7 @@ __all__ = [
     "ShardState",
     "Snapshot",
     "StagedBatch",
+    "Time",
     "UpperMismatch",
     "WriteHandle",
     "abandon_staged",
@@ -183,6 +184,7 @@ __all__ = [
     "encode_schema",
     "evolve_schema",
     "iter_parts",
+    "limited_upper",
     "open_blob",
     "open_consensus",
     "parse_retention",

@@ -297,19 +297,23 @@ def compare_and_downgrade_since(
     new_opaque: int,
     new_since: Time,
 ) -> Outcome[CriticalSince]:
-    """Move a critical hold iff the caller holds the newest fencing token (``opaque``)."""
+    """Move a critical hold iff the caller holds the newest fencing token (``opaque``).
+
+    A reader not registered yet is registered, holding ``expected_opaque`` at the shard's
+    since. A move that changes neither the hold nor the token is ``ok`` without a diff.
+    """
     reader = state.critical_readers.get(reader_id)
     if reader is None:
         reader = CriticalReaderState(since=state.since, opaque=expected_opaque)
     if reader.opaque != expected_opaque:
         return Refuse(CriticalSince(ok=False, current=reader))
     updated = CriticalReaderState(since=max(reader.since, new_since), opaque=new_opaque)
+    if updated == state.critical_readers.get(reader_id):
+        return Refuse(CriticalSince(ok=True, current=updated))
     critical = dict(state.critical_readers)
     critical[reader_id] = updated
     b = DiffBuilder(state).put_critical_reader(reader_id, updated)
     b.set(since=_since(state, critical=critical))
-    if b.is_empty:
-        return Refuse(CriticalSince(ok=True, current=updated))
     return Apply(b.build(), CriticalSince(ok=True, current=updated))
 
 

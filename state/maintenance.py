@@ -1,19 +1,18 @@
-"""Compaction and GC: what keeps a shard small and fast after weeks of tiny writes.
+"""Compaction and GC, performed: what keeps a shard small and fast after weeks of tiny writes.
 
-**Compaction** merges a run of adjacent batches into one. It reads their
+What to do is decided by the pure :mod:`~pyspark_persist.state.maintenance_policy`; this
+module reads what the policy needs (state, Consensus rows, Blob listings, the clock), asks it,
+and does what it says.
+
+**Compaction** (:func:`compact`) merges a run of adjacent batches into one. It reads their
 parts, advances every time below the shard's since up to it (clamped inside
 the merged interval), consolidates (sums the diffs of equal ``(row, time)``,
 drops zeros) and writes the result as new parts; then
 :func:`~pyspark_persist.state.commands.apply_merge` swaps it into state by
 compare-and-set, only if the batches are still exactly as read, so losing a
-race with a write or another compaction costs nothing but the work. The
-policy is tiered: a batch's tier is ``floor(log_fanin(rows))``, and once
-``compaction_fan_in`` trailing batches share a tier they are merged, so the
-trace holds O(fan_in * log(rows)) batches. Runs bigger than
-``compaction_memory_bytes`` are merged by concatenating their part lists
-(no rewrite), which keeps memory bounded.
+race with a write or another compaction costs nothing but the work.
 
-**GC** first moves since up by the shard's retention period, if it has one
+**GC** (:func:`gc`) first moves since up by the shard's retention period, if it has one
 (:mod:`~pyspark_persist.state.retention`), then deletes what no reader can
 need any more. The oldest SeqNo any
 reader holds (``seqno_since``) fixes the line: every state at or after it
@@ -22,48 +21,54 @@ the parts of batches removed by diffs before it. Then it makes sure a rollup
 sits at or just below that SeqNo, truncates Consensus below the rollup, and
 forgets older rollups. An occasional sweep deletes parts that were staged
 but never committed (a crash between staging and commit) once they are
-older than ``staged_part_grace_s``, by the later of the Blob store's own
-timestamp and the time in the part key (a writer's clock that is behind
-cannot make a fresh part look old). Every commit attempt refuses parts older
+older than ``staged_part_grace_s``. Every commit attempt refuses parts older
 than half the grace (:func:`~pyspark_persist.state.write.check_staged`), and
 lands within ``retry_timeout_s``, less than that half, so the sweep never
 takes a part a commit is about to reference.
 
-Maintenance is data. What to merge is planned by the pure
-:func:`compaction_request` (:func:`compaction_plan` for a dry run), what is
-garbage by the pure :func:`gc_walk` and :func:`truncation_point` (:func:`plan_gc`
-for a dry run). After each commit the pure :func:`requests_after_commit`
-turns the new state into :class:`CompactRequest`/:class:`GcRequest` values;
-:class:`Maintenance` queues them (``PersistConfig.maintenance``) and one
-runner, :func:`run_request`, executes them, in the background and on demand
-(:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
+After each commit, :class:`Maintenance` queues the requests
+:func:`~pyspark_persist.state.maintenance_policy.requests_after_commit` returns
+(``PersistConfig.maintenance``) and one runner, :func:`run_request`, executes them, in the
+background and on demand (:meth:`Maintenance.compact_now`, :meth:`Maintenance.gc_now`).
+:func:`plan_gc` reads what a pass would and reports what it would delete.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
-import math
 import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from dataclasses import replace as dc_replace
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import commands, retention
+from .blob import BlobMeta
 from .columns import int_scalar
 from .config import PersistConfig
-from .consensus import VersionedData
-from .diff import decode
 from .errors import PartNotFound, PersistError, ShardDropped
-from .keys import part_key_created_ms
 from .machine import Machine, RunInfo
+from .maintenance_policy import (
+    CompactRequest,
+    GcPlan,
+    GcRequest,
+    MaintenanceRequest,
+    background_gc,
+    backpressure_due,
+    compaction_request,
+    gc_plan,
+    gc_walk,
+    orphans,
+    plan_merge,
+    requests_after_commit,
+    stale_rollups,
+    truncation_point,
+)
 from .planning import LeasedPart
 from .read import ReadHandle, iter_parts
 from .schema import MAX_TIME, TIME, TIME_TYPE, decode_schema
@@ -75,109 +80,6 @@ from .versions import read_history, rollup_key, write_rollup
 from .write import check_staged, never_committed
 
 log = logging.getLogger(__name__)
-
-
-def tier(batch: Batch, fan_in: int) -> int:
-    """The size tier of a batch: batches of one tier are merged together."""
-    return _tier(batch.rows, fan_in)
-
-
-@functools.lru_cache(maxsize=4096)
-def _tier(rows: int, fan_in: int) -> int:
-    """(Cached: every commit asks for the tier of every batch in the trace.)"""
-    return int(math.log(max(rows, 1), fan_in))
-
-
-MAX_TIERS = 6
-"""With more than ``fan_in * MAX_TIERS`` batches, the lightest adjacent ``fan_in`` merge anyway."""
-
-BACKPRESSURE = 2
-"""A trace past ``BACKPRESSURE * fan_in * MAX_TIERS`` batches means background compaction is
-falling behind (e.g. starved by a tight write loop): writers then compact before returning."""
-
-
-def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch, ...] | None:
-    """The run of adjacent batches that should be merged now, or None. Pure.
-
-    First choice: the oldest run of at least ``fan_in`` adjacent batches of
-    one tier, anywhere in the trace. Consolidation can shrink a merge below
-    its inputs' tier and leave tiers interleaved so that no such run forms;
-    so, second, once the trace holds more than ``fan_in * MAX_TIERS``
-    batches, the adjacent ``fan_in`` with the fewest rows merge. Together
-    they bound the trace at about ``fan_in * MAX_TIERS`` batches. Before
-    either, on a shard with retention, the leading batches since has passed
-    (:func:`~pyspark_persist.state.retention.expired_run`).
-    """
-    trace = state.trace
-    fan = config.compaction_fan_in
-    expired = retention.expired_run(state, fan)
-    if expired is not None:
-        return expired
-    if len(trace) < fan:
-        return None
-    run = _oldest_tier_run(trace, fan)
-    if run is not None:
-        return trace[run[0] : run[1]]
-    if len(trace) > fan * MAX_TIERS:
-        windows = range(len(trace) - fan + 1)
-        best = min(windows, key=lambda i: sum(b.rows for b in trace[i : i + fan]))
-        return trace[best : best + fan]
-    return None
-
-
-def compaction_due(state: ShardState, config: PersistConfig) -> bool:
-    """Whether :func:`compaction_request` asks for a merge now, without finding which. Pure.
-
-    Every commit asks this (:func:`requests_after_commit`), so it stops at the
-    first sign: a trace past ``fan_in * MAX_TIERS`` batches always has a
-    lightest window to merge, which the full request would sum window by window
-    (a one-row write spent a tenth of its time building the request only to
-    test it against None).
-    """
-    trace = state.trace
-    fan = config.compaction_fan_in
-    if retention.expired_run(state, fan) is not None:
-        return True
-    if len(trace) < fan:
-        return False
-    return len(trace) > fan * MAX_TIERS or _oldest_tier_run(trace, fan) is not None
-
-
-def _oldest_tier_run(trace: tuple[Batch, ...], fan: int) -> tuple[int, int] | None:
-    """``(start, end)`` of the oldest run of at least ``fan`` adjacent batches of one tier."""
-    start, last = 0, -1
-    for i, b in enumerate(trace):
-        t = _tier(b.rows, fan)
-        if t != last:
-            if i - start >= fan:
-                return start, i
-            start, last = i, t
-    return (start, len(trace)) if len(trace) - start >= fan else None
-
-
-def compaction_plan(
-    state: ShardState, config: PersistConfig, max_rounds: int = 1000
-) -> list[tuple[Batch, ...]]:
-    """The merges compaction would run now, in order, as data (``--dry-run``). Pure.
-
-    Each planned merge is applied to a copy of the state as its inputs' parts
-    side by side, so the next round is planned on what the merge leaves. Real
-    compaction consolidates, and a merge whose updates cancel out ends up
-    smaller, which can change the rounds after it; the first is exact.
-    """
-    plan: list[tuple[Batch, ...]] = []
-    for _ in range(max_rounds):
-        request = compaction_request(state, config)
-        if request is None:
-            break
-        plan.append(request)
-        parts = tuple(p for b in request for p in b.parts)
-        merged = Batch(request[0].lower, request[-1].upper, min(b.since for b in request), parts)
-        outcome = commands.apply_merge(state, replaced=request, merged=merged)
-        if not isinstance(outcome, commands.Apply):
-            break
-        state = state.apply(outcome.diff)
-    return plan
 
 
 @dataclass(frozen=True)
@@ -195,18 +97,15 @@ class CompactionReport:
 def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     """Merge ``batches`` (adjacent, in time order) and swap the merge into state if still valid."""
     state = machine.state()
-    lower, upper = batches[0].lower, batches[-1].upper
+    plan = plan_merge(state, batches, machine.config)
     rows_in = sum(b.rows for b in batches)
-    parts = tuple(p for b in batches for p in b.parts)
-    size = sum(p.size_bytes for p in parts)
-    if not parts or size > machine.config.compaction_memory_bytes:
-        merged = Batch(lower, upper, min(b.since for b in batches), parts)
-        ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=merged))
+    if not plan.rewrite:
+        concatenated = plan.merged(plan.parts)
+        ok = machine.run(lambda s: commands.apply_merge(s, replaced=batches, merged=concatenated))
         return CompactionReport(len(batches), rows_in, rows_in, False, ok)
-    since = max(min(state.since, upper - 1), max(b.since for b in batches))
     leased = [
         LeasedPart(state.shard_id, machine.blob.uri, p, 0, MAX_TIME, None, state.seqno)
-        for p in parts
+        for p in plan.parts
     ]
     schema = decode_schema(state.schema)
     try:
@@ -226,18 +125,14 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config, allow_inline=False)
     rows_out = 0
     if table is not None and table.num_rows:
-        times = pc.max_element_wise(table.column(TIME), int_scalar(since, TIME_TYPE))
+        times = pc.max_element_wise(table.column(TIME), int_scalar(plan.since, TIME_TYPE))
         table = with_times(table, times)
-        if any(p.effective_dmin is None or p.effective_dmin < 0 for p in parts):
-            table = consolidate(table, schema.names)  # retractions may cancel insertions
-        # Else insert-only: summing equal updates would only fold duplicates together (the
-        # same multiset), and its group_by loads Arrow's acero, and pandas with it, into the
-        # committing process (a Spark sink's committer: ~0.2 s holding the GIL its next
-        # commit waits for, seconds on a busy machine).
+        if plan.consolidate:  # (not for inserts alone: see plan_merge)
+            table = consolidate(table, schema.names)
         rows_out = table.num_rows
         builder.add(table)
     staged = builder.finish()
-    merged = Batch(lower, upper, since, staged.parts)
+    merged = plan.merged(staged.parts)
     info = RunInfo()
 
     def swap(s: ShardState) -> commands.Outcome[bool]:
@@ -298,13 +193,13 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         machine.run(lambda s: commands.add_rollup(s, seqno=at_since.seqno, key=key))
     truncated = machine.consensus.truncate(shard, rollup_at) if rollup_at > first else 0
     current = machine.fetch_latest()
-    old_rollups = tuple(s for s in current.rollups if s < rollup_at)
+    old_rollups = stale_rollups(current, rollup_at)
     removed = machine.run(lambda s: commands.remove_rollups(s, seqnos=old_rollups))
     machine.blob.delete_many(rollup_key(shard, s) for s in removed)
 
-    orphans = 0
+    swept = 0
     if sweep_orphans:
-        orphans = _sweep_orphans(machine, live | keep, rollup_at, set(current.rollups), now)
+        swept = _sweep_orphans(machine, live | keep, rollup_at, current, now)
     log.debug(
         "shard %s: gc to SeqNo %s deleted %s parts, %s rollups, %s rows, %s orphans",
         shard,
@@ -312,193 +207,52 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         len(garbage),
         len(removed),
         truncated,
-        orphans,
+        swept,
     )
-    return GcReport(seqno_since, len(garbage), len(removed), truncated, orphans, expired, writers)
+    return GcReport(seqno_since, len(garbage), len(removed), truncated, swept, expired, writers)
 
 
 def _sweep_orphans(
-    machine: Machine, live: set[str], oldest_rollup: int, rollups: set[int], now_ms: int
+    machine: Machine, live: set[str], oldest_rollup: int, state: ShardState, now_ms: int
 ) -> int:
-    """Delete parts no live state references once past the grace period, stray rollups, and
-    what part writers that never committed left in Blob (a crashed executor's temp file)."""
-    deleted = machine.blob.delete_many(_orphans(machine, live, oldest_rollup, rollups, now_ms))
+    """Delete parts no live state references once past the grace period, stray rollups (see
+    :func:`~pyspark_persist.state.maintenance_policy.orphans`), and what part writers that
+    never committed left in Blob (a crashed executor's temp file)."""
+    part_keys, rollup_keys = _listing(machine)
+    doomed = orphans(
+        part_keys,
+        rollup_keys,
+        live=live,
+        oldest_rollup=oldest_rollup,
+        recorded=state.rollups,
+        now_ms=now_ms,
+        config=machine.config,
+    )
+    deleted = machine.blob.delete_many(doomed)
     grace_ms = int(machine.config.staged_part_grace_s * 1000)
     return deleted + machine.blob.delete_abandoned(f"{machine.shard_id}/part/", grace_ms)
 
 
-def _orphans(
-    machine: Machine, live: set[str], oldest_rollup: int, rollups: set[int], now_ms: int
-) -> list[str]:
-    """The keys the orphan sweep deletes (reads the shard's Blob listing, changes nothing)."""
+def _listing(machine: Machine) -> tuple[list[BlobMeta], list[BlobMeta]]:
+    """The shard's part keys and rollup keys in Blob, as the orphan sweep judges them."""
     shard = machine.shard_id
-    grace_ms = int(machine.config.staged_part_grace_s * 1000)
-    doomed = []
-    for meta in list(machine.blob.list_keys(f"{shard}/part/")):
-        # The later of the store's timestamp and the writer's (in the key): a writer
-        # whose clock is behind cannot make a fresh part look old, nor can the store.
-        stamps = [s for s in (meta.modified_ms, part_key_created_ms(meta.key)) if s is not None]
-        if meta.key not in live and stamps and now_ms - max(stamps) >= grace_ms:
-            doomed.append(meta.key)
-    for meta in list(machine.blob.list_keys(f"{shard}/rollup/")):
-        seqno = int(meta.key.rsplit("/", 1)[1])
-        if seqno < oldest_rollup and seqno not in rollups:
-            doomed.append(meta.key)
-    return doomed
-
-
-@dataclass(frozen=True)
-class GcWalk:
-    """What walking a shard's live diffs tells GC (see :func:`gc_walk`)."""
-
-    garbage: set[str]
-    """Part keys of batches removed before ``seqno_since`` that no kept state references."""
-    live: set[str]
-    """Part keys some state from the oldest row on references (the sweep keeps them)."""
-    keep: set[str]
-    """Part keys the state at ``seqno_since`` references."""
-    at_since: ShardState
-    """The state at ``seqno_since`` (or the newest before it)."""
-
-
-def gc_walk(start: ShardState, rows: list[VersionedData], seqno_since: int) -> GcWalk:
-    """Apply ``rows`` to ``start`` and sort the part keys met into garbage and live. Pure.
-
-    Parts of batches removed by diffs at or before ``seqno_since`` are garbage
-    unless the state at ``seqno_since`` still references them: every state
-    from ``seqno_since`` on must stay readable.
-    """
-    shard = start.shard_id
-    candidates: set[str] = set()
-    live: set[str] = set()
-    walk = at_since = start
-    for row in rows:
-        diff = decode(row.data, where=f"consensus row {shard!r} SeqNo {row.seqno}")
-        if row.seqno <= seqno_since:
-            for key in diff.deleted_batches:
-                old = walk.batches.get(key)
-                if old is not None:
-                    candidates.update(p.key for p in old.parts if p.key is not None)
-        walk = walk.apply(diff)
-        if walk.seqno <= seqno_since:
-            at_since = walk
-        live.update(p.key for b in walk.batches.values() for p in b.parts if p.key is not None)
-    keep = {p.key for b in at_since.batches.values() for p in b.parts if p.key is not None}
-    return GcWalk(candidates - keep, live, keep, at_since)
-
-
-def truncation_point(at_since: ShardState, first: int, config: PersistConfig) -> tuple[int, bool]:
-    """The SeqNo GC truncates Consensus below, and whether it first writes a rollup there. Pure.
-
-    A rollup sits at (or a little before) ``seqno_since``; a new one is
-    written when the newest is more than half a ``rollup_interval`` behind,
-    or older than the oldest row left.
-    """
-    rollup_at = max((s for s in at_since.rollups if s <= at_since.seqno), default=0)
-    if at_since.seqno - rollup_at >= config.rollup_interval // 2 or rollup_at < first:
-        return at_since.seqno, True
-    return rollup_at, False
-
-
-@dataclass(frozen=True)
-class GcPlan:
-    """What a full GC pass (with the orphan sweep) would do now; nothing was changed."""
-
-    seqno_since: int
-    readers_expired: tuple[str, ...]
-    parts: tuple[str, ...]
-    rollups: tuple[int, ...]
-    consensus_rows: int
-    orphans: tuple[str, ...]
+    parts = list(machine.blob.list_keys(f"{shard}/part/"))
+    return parts, list(machine.blob.list_keys(f"{shard}/rollup/"))
 
 
 def plan_gc(machine: Machine) -> GcPlan:
     """The deletions :func:`gc` with ``sweep_orphans`` would make now, read without writing.
 
-    It reads state, the Consensus rows and the Blob listing, and runs the
-    pure steps :func:`gc` runs (reader expiry, :func:`gc_walk`,
-    :func:`truncation_point`), so what it names is what a pass started now
+    It reads state, the Consensus rows and the Blob listing, and asks
+    :func:`~pyspark_persist.state.maintenance_policy.gc_plan`, which runs the
+    pure steps :func:`gc` runs, so what it names is what a pass started now
     would delete, unless the shard changes first.
     """
     now = machine.clock_ms()
     state = machine.fetch_latest()
-    outcome = commands.expire_leased_readers(state, now_ms=now)
-    if isinstance(outcome, commands.Apply):
-        state = state.apply(outcome.diff)
-    seqno_since = state.seqno_since
     history = read_history(machine.shard_id, machine.consensus, machine.blob)
-    if history is None:
-        return GcPlan(seqno_since, outcome.result, (), (), 0, ())
-    start, pending, first = history
-    walk = gc_walk(start, pending, seqno_since)
-    rollup_at, _ = truncation_point(walk.at_since, first, machine.config)
-    # Every row from ``first`` up to the head is there (rows are consecutive).
-    rows = min(rollup_at, state.seqno) - first if rollup_at > first else 0
-    rollups = tuple(s for s in state.rollups if s < rollup_at)
-    orphans = _orphans(machine, walk.live | walk.keep, rollup_at, set(state.rollups), now)
-    return GcPlan(
-        seqno_since,
-        outcome.result,
-        tuple(sorted(walk.garbage)),
-        rollups,
-        rows,
-        tuple(orphans),
-    )
-
-
-@dataclass(frozen=True)
-class CompactRequest:
-    """Compaction is due: run up to ``max_rounds`` merges, each planned afresh by
-    :func:`compaction_request` from the newest state (a queued plan would be stale)."""
-
-    max_rounds: int = 1000
-
-
-@dataclass(frozen=True)
-class GcRequest:
-    """GC is due: one pass (see :func:`gc`), with the orphan sweep when ``sweep_orphans``,
-    even when another process claimed the same ``seqno_since`` when ``force``."""
-
-    sweep_orphans: bool = False
-    force: bool = False
-
-
-MaintenanceRequest = CompactRequest | GcRequest
-"""Maintenance as data: what a commit (or a user) asks for, run by :func:`run_request`."""
-
-BACKGROUND_COMPACTION_ROUNDS = 8
-"""Merges one background compaction request runs before yielding to other queued work."""
-
-
-def requests_after_commit(
-    state: ShardState, config: PersistConfig, previous: ShardState | None = None
-) -> tuple[MaintenanceRequest, ...]:
-    """The maintenance a commit that produced ``state`` (from ``previous``, when known) calls
-    for. Pure and cheap: it runs after every commit (persist's "routine maintenance" returned
-    from a command).
-
-    Compaction is asked for only by a commit that can make a merge due: one that changed
-    the batches, or the since of a shard with retention (see :func:`compaction_request`).
-    A reader's heartbeat or since downgrade changes neither, so a merge still due after it
-    is the one the commit that made it due asked for, which that process is running (or
-    its next commit retries): asking again would race it with a second compaction of the
-    same batches, rewriting them twice for one to win the compare-and-set.
-    """
-    if not config.maintenance:
-        return ()
-    requests: list[MaintenanceRequest] = []
-    if _may_make_a_merge_due(state, previous) and compaction_due(state, config):
-        requests.append(CompactRequest(max_rounds=BACKGROUND_COMPACTION_ROUNDS))
-    if state.seqno_since - state.last_gc_seqno >= config.gc_interval:
-        requests.append(GcRequest())
-    return tuple(requests)
-
-
-def _may_make_a_merge_due(state: ShardState, previous: ShardState | None) -> bool:
-    """Whether the commit from ``previous`` to ``state`` may have made a merge due."""
-    if previous is None or state.batches is not previous.batches:
-        return True  # (a diff that leaves the batches alone keeps the very same mapping)
-    return state.retention_ms > 0 and state.since != previous.since
+    part_keys, rollup_keys = _listing(machine) if history is not None else ([], [])
+    return gc_plan(state, history, part_keys, rollup_keys, machine.config, now)
 
 
 def run_compaction(machine: Machine, request: CompactRequest) -> list[CompactionReport]:
@@ -524,9 +278,6 @@ def run_request(machine: Machine, request: MaintenanceRequest) -> None:
     else:
         run_gc(machine, request)
 
-
-ORPHAN_SWEEP_EVERY = 16
-"""Every this many background GC passes of a shard also sweep orphans (a Blob listing)."""
 
 _STOP = object()
 """Queued to wake the background thread so it notices it should stop."""
@@ -592,15 +343,14 @@ class Maintenance:
         Runs after a command, outside the machine's lock; one caller at a time
         per client (others return at once and let it work).
         """
-        cap = BACKPRESSURE * self._config.compaction_fan_in * MAX_TIERS
-        if not self._config.maintenance or len(machine.state().trace) <= cap:
+        if not backpressure_due(machine.state(), self._config):
             return
         if threading.current_thread() is self._heartbeats:
             return  # a heartbeat must never wait for a compaction
         if not self._inline.acquire(blocking=False):
             return
         try:
-            while len(machine.state().trace) > cap:
+            while backpressure_due(machine.state(), self._config):
                 request = compaction_request(machine.state(), self._config)
                 if request is None or not compact(machine, request).applied:
                     break
@@ -696,8 +446,7 @@ class Maintenance:
         if isinstance(request, GcRequest):
             n = self._sweeps.get(machine.shard_id, 0) + 1
             self._sweeps[machine.shard_id] = n
-            if n % ORPHAN_SWEEP_EVERY == 0:
-                request = dc_replace(request, sweep_orphans=True)
+            request = background_gc(request, n)
         try:
             run_request(machine, request)
         except RuntimeError:

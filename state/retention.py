@@ -23,7 +23,7 @@ consolidate into the contents at since, which is what bounds storage.
 
 Everything here is pure; :func:`pyspark_persist.state.maintenance.gc` runs
 :func:`advance_since` with its clock, and
-:func:`~pyspark_persist.state.maintenance.compaction_request` asks
+:func:`~pyspark_persist.state.maintenance_policy.compaction_request` asks
 :func:`expired_run` first.
 """
 

@@ -482,6 +482,19 @@ def _public_names(top: Path) -> set[str]:
     return set()
 
 
+def public_name_sources(top: Path) -> dict[str, str]:
+    """Each name ``pyspark_persist.state`` re-exports -> the file it comes from (``state/x.py``,
+    or a subpackage's ``__init__.py``), read from the package's imports (lazy ones too)."""
+    sources = {}
+    for node in _every_import(ast.parse((top / "state" / "__init__.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            path = top / "state" / node.module.replace(".", "/")
+            rel = f"state/{node.module.replace('.', '/')}"
+            rel = f"{rel}/__init__.py" if path.is_dir() else f"{rel}.py"
+            sources.update({alias.name: rel for alias in node.names})
+    return sources
+
+
 PUBLIC_STATE_MODULES = {"pyspark_persist.state", "pyspark_persist.state.errors"}
 """The state modules the connector may import from: the package's public names, and the
 documented home of every exception."""

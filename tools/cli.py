@@ -690,7 +690,7 @@ def format_show(result: dict[str, Any]) -> str:
 def compact(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
     """Rounds of compaction until the policy is satisfied, or (``dry_run``) their plan."""
     from pyspark_persist.state.maintenance import compact as run_compaction
-    from pyspark_persist.state.maintenance import compaction_plan, compaction_request
+    from pyspark_persist.state.maintenance_policy import compaction_plan, compaction_request
 
     with _shard(where, name) as (client, shard):
         started = time.monotonic()

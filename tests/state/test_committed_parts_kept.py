@@ -35,7 +35,8 @@ from pyspark_persist.state.errors import (
     SchemaMismatch,
     StagedPartsExpired,
 )
-from pyspark_persist.state.maintenance import compact, compaction_request
+from pyspark_persist.state.maintenance import compact
+from pyspark_persist.state.maintenance_policy import compaction_request
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 
 

@@ -56,7 +56,8 @@ from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import LeaseExpired
-from pyspark_persist.state.maintenance import compact, compaction_request
+from pyspark_persist.state.maintenance import compact
+from pyspark_persist.state.maintenance_policy import compaction_request
 from pyspark_persist.state.state import ShardState
 
 SCHEMA = pa.schema([("k", pa.int64())])

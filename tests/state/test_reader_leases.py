@@ -26,6 +26,7 @@ from pyspark_persist.state import maintenance as maintenance_module
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.state.maintenance_policy import CompactRequest
 from pyspark_persist.state.state import ShardState
 
 
@@ -111,7 +112,7 @@ def test_long_maintenance_does_not_starve_heartbeats() -> None:
 
         held = mock.patch.object(maintenance_module, "run_request", held_run_request)
         stack.enter_context(held)  # the one runner of queued requests: the thread is held
-        maintenance._submit(shard.machine, maintenance_module.CompactRequest())
+        maintenance._submit(shard.machine, CompactRequest())
         assert holding.wait(30), "maintenance never started"
         reader = shard.reader()
         real_heartbeat = reader.heartbeat
