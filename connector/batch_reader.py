@@ -64,20 +64,24 @@ from pyspark_persist.options import (
     PersistOptions,
 )
 from pyspark_persist.source import blob_for, client_for, freeze_worker_heap
-from pyspark_persist.state import retry
-from pyspark_persist.state.changes import check_change_range
-from pyspark_persist.state.client import PersistClient
-from pyspark_persist.state.commands import heartbeat_leased_reader
-from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.consensus import open_consensus
+from pyspark_persist.state import (
+    LeasedPart,
+    PartRef,
+    PersistClient,
+    PersistConfig,
+    ReadHandle,
+    ReadLimits,
+    Shard,
+    check_change_range,
+    check_readable,
+    conform_columns,
+    consolidate,
+    iter_parts,
+    open_consensus,
+    plan_read,
+    state_at,
+)
 from pyspark_persist.state.errors import LeaseExpired, ShardDropped, ShardNotFound
-from pyspark_persist.state.history import replay, state_at
-from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import LeasedPart, conform_columns, consolidate
-from pyspark_persist.state.planning import ReadLimits, plan_read
-from pyspark_persist.state.read import ReadHandle, iter_parts
-from pyspark_persist.state.state import PartRef
-from pyspark_persist.state.times import check_readable
 from pyspark_persist.stream_reader import PersistInputPartition, read_partition
 
 log = logging.getLogger(__name__)
@@ -148,7 +152,7 @@ class _LeaseKeeper:
     def __init__(self, opts: PersistOptions, lease: BatchLease) -> None:
         self._opts = opts
         self._lease = lease
-        self._machine: Machine | None = None
+        self._shard: Shard | None = None
         self._last_ms = lease.planned_ms
 
     def beat(self) -> None:
@@ -157,14 +161,9 @@ class _LeaseKeeper:
         if now - self._last_ms < self._lease.lease_ms // 3:
             return
         lease = self._lease
-        if self._machine is None:
-            self._machine = self._open()
-        held = self._machine.run(
-            lambda s: heartbeat_leased_reader(
-                s, reader_id=lease.reader_id, now_ms=now, seqno=lease.seqno
-            )
-        )
-        if held is None:
+        if self._shard is None:
+            self._shard = self._open()
+        if not self._shard.heartbeat_reader(lease.reader_id, seqno=lease.seqno, now_ms=now):
             raise LeaseExpired(
                 f"persist: this batch read of shard {self._opts.shard!r} lost its lease on the "
                 f"parts it planned (reader {lease.reader_id}): no task of the job ran for "
@@ -173,13 +172,13 @@ class _LeaseKeeper:
             )
         self._last_ms = now
 
-    def _open(self) -> Machine:
-        """The lease client's machine of the shard, if it is still the incarnation planned from
+    def _open(self) -> Shard:
+        """The lease client's handle of the shard, if it is still the incarnation planned from
         (it then stays bound to it); ShardDropped otherwise."""
         try:
-            machine = lease_client(self._opts).open_shard(self._opts.shard, create=False).machine
-            if machine.state().incarnation == self._lease.incarnation:
-                return machine
+            shard = lease_client(self._opts).open_shard(self._opts.shard, create=False)
+            if shard.machine.state().incarnation == self._lease.incarnation:
+                return shard
         except ShardNotFound:
             pass
         raise ShardDropped(
@@ -208,9 +207,7 @@ class PersistBatchReader(DataSourceReader):
         reader = ReadHandle(shard.machine, lease_s=self._opts.lease_seconds)
         lease_ms = int((self._opts.lease_seconds or shard.machine.config.reader_lease_s) * 1000)
         if self._opts.read_changes:
-            return self._change_partitions(
-                shard.machine, client.blob.uri, reader, lease_ms, planned_ms
-            )
+            return self._change_partitions(shard, client.blob.uri, reader, lease_ms, planned_ms)
         as_of = self._opts.as_of
         if as_of is None:
             as_of = reader.latest_as_of()
@@ -234,7 +231,7 @@ class PersistBatchReader(DataSourceReader):
 
     def _change_partitions(
         self,
-        machine: Machine,
+        shard: Shard,
         blob_uri: str,
         reader: ReadHandle,
         lease_ms: int,
@@ -247,11 +244,10 @@ class PersistBatchReader(DataSourceReader):
         tasks heartbeat that hold as a snapshot read's tasks do.
         """
         opts = self._opts
-        state = machine.state()
+        state = shard.machine.state()
         lower, upper = opts.starting_time or 0, opts.ending_time
         if opts.starting_seqno is not None or opts.ending_seqno is not None:
-            with retry.deadline_in(machine.config.retry_timeout_s):
-                past = replay(opts.shard, machine.consensus, machine.blob)
+            past = shard.replay()
             if opts.starting_seqno is not None:
                 name = f"persist: {opts.spelled(STARTING_SEQNO)}"
                 lower = state_at(past, opts.starting_seqno - 1, name).upper

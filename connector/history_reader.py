@@ -19,7 +19,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import client_for
-from pyspark_persist.state.history import Commit
+from pyspark_persist.state import Commit
 
 _STRINGS = frozenset({"operation", "writer_id", "columns_added"})
 HISTORY_SCHEMA = StructType(

@@ -46,11 +46,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pyspark_persist.state.changes import Behind, behind
+from pyspark_persist.state import (
+    NO_LIMITS,
+    Behind,
+    ReadLimits,
+    ShardState,
+    Time,
+    behind,
+    check_readable,
+    describe,
+    limited_upper,
+)
 from pyspark_persist.state.errors import InvalidFrontier, InvalidUsage, ShardDropped
-from pyspark_persist.state.planning import NO_LIMITS, ReadLimits, limited_upper
-from pyspark_persist.state.state import ShardState, Time
-from pyspark_persist.state.times import check_readable, describe
 
 SNAPSHOT = "snapshot"
 """The phase before the snapshot is wholly emitted (``upper``: how far its cuts got)."""

@@ -23,15 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pyspark_persist.state.client import (
+from pyspark_persist.state import (
+    blob_kind,
+    consensus_kind,
     default_blob_uri,
     default_consensus_uri,
+    parse_retention,
+    parse_time,
     validate_shard_name,
 )
 from pyspark_persist.state.errors import InvalidUri, InvalidUsage
-from pyspark_persist.state.registry import resolve
-from pyspark_persist.state.retention import parse_retention
-from pyspark_persist.state.times import parse_time
 
 Purpose = Literal["read", "stream_read", "read_schema", "write", "stream_write"]
 
@@ -787,7 +788,7 @@ def _uri(opts: Mapping[str, str], said: Mapping[str, str], key: str) -> str | No
     if not uri:
         return None
     try:
-        resolve("blob" if key == BLOB else "consensus", uri)
+        (blob_kind if key == BLOB else consensus_kind)(uri)
     except InvalidUri as e:
         raise InvalidUri(f"persist: option {said[key]}: {e}") from None
     return uri

@@ -12,8 +12,8 @@ import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import LongType, StructField, StructType
 
+from pyspark_persist.state import DIFF, TIME, evolve_schema
 from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
-from pyspark_persist.state.parts import DIFF, TIME, evolve_schema
 
 
 def read_schema(shard_schema: pa.Schema) -> StructType:

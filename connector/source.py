@@ -16,8 +16,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader
 from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
-from pyspark_persist.state.blob import Blob, open_blob
-from pyspark_persist.state.client import PersistClient, Shard
+from pyspark_persist.state import Blob, PersistClient, Shard, open_blob
 
 if TYPE_CHECKING:
     from pyspark_persist.stream_reader import PersistStreamReader

@@ -48,14 +48,21 @@ from pyspark_persist.options import (
     PersistOptions,
 )
 from pyspark_persist.source import blob_for, freeze_worker_heap
-from pyspark_persist.state import retry
+from pyspark_persist.state import (
+    NO_LIMITS,
+    TIME,
+    LeasedPart,
+    Machine,
+    ReadHandle,
+    ReadLimits,
+    ShardState,
+    conform_columns,
+    decode_schema,
+    iter_parts,
+    plan_read,
+    state_at,
+)
 from pyspark_persist.state.errors import DataLoss, SchemaChanged
-from pyspark_persist.state.history import replay, state_at
-from pyspark_persist.state.machine import Machine
-from pyspark_persist.state.parts import TIME, LeasedPart, conform_columns, decode_schema
-from pyspark_persist.state.planning import NO_LIMITS, ReadLimits, plan_read
-from pyspark_persist.state.read import ReadHandle, iter_parts
-from pyspark_persist.state.state import ShardState
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +244,7 @@ class LeaseHolder:
             name = opts.spelled(STARTING_SEQNO)
             what = f"{name} {opts.starting_seqno} (from the upper SeqNo"
             what += f" {opts.starting_seqno - 1} left)"
-            with retry.deadline_in(self.machine.config.retry_timeout_s):
-                past = replay(state.shard_id, self.machine.consensus, self.machine.blob)
+            past = self._shard.replay()
             at = state_at(past, opts.starting_seqno - 1, f"persist source: {name}")
             state = past.head if past.head.seqno > state.seqno else state
             return state, Starting(changes_from=at.upper, what=what)

@@ -44,19 +44,23 @@ from pyspark.sql.types import StructType
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import sink_schema, write_schema
 from pyspark_persist.source import blob_for, client_for, freeze_worker_heap, open_shard
-from pyspark_persist.state.commands import AlreadyCommitted, Committed, UpperMismatch
-from pyspark_persist.state.config import PersistConfig
-from pyspark_persist.state.errors import InvalidUsage, ShardDropped, ShardNotFound
-from pyspark_persist.state.parts import (
+from pyspark_persist.state import (
     ARROW,
     ARROW_ROWS,
     DIFF,
     DIFF_TYPE,
+    AlreadyCommitted,
+    BatchBuilder,
+    Committed,
+    PersistConfig,
+    StagedBatch,
+    UpperMismatch,
+    abandon_staged,
     conform_columns,
     decode_schema,
     encode_schema,
 )
-from pyspark_persist.state.write import BatchBuilder, StagedBatch, abandon_staged
+from pyspark_persist.state.errors import InvalidUsage, ShardDropped, ShardNotFound
 
 log = logging.getLogger(__name__)
 

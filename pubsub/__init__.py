@@ -81,14 +81,13 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from ..state import consensus_kind
 from ..state.errors import InvalidUsage
 from ..state.machine import DiffPublisher, NoopPublisher
-from ..state.registry import consensus_kind
 from .metrics import PubSubMetrics
 
 if TYPE_CHECKING:
-    from ..state.client import PersistClient
-    from ..state.config import PersistConfig
+    from ..state import PersistClient, PersistConfig
 
 log = logging.getLogger(__name__)
 
@@ -261,13 +260,13 @@ def open_client(
     config: PersistConfig | None = None,
 ) -> PersistClient:
     """``PersistClient.open`` with PubSub: ``pubsub`` as for :func:`connect`."""
-    from ..state.blob import open_blob
-    from ..state.client import (
+    from ..state import (
         PersistClient,
         default_blob_uri,
         default_consensus_uri,
+        open_blob,
+        open_consensus,
     )
-    from ..state.consensus import open_consensus
 
     store = open_consensus(consensus or default_consensus_uri())
     uri = consensus or default_consensus_uri()

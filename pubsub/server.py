@@ -52,7 +52,7 @@ from typing import Any
 
 import grpc
 
-from ..state.client import validate_shard_name
+from ..state import validate_shard_name
 from ..state.errors import InvalidUsage
 from . import persist_pubsub_pb2 as pb
 from . import persist_pubsub_pb2_grpc as pb_grpc

@@ -22,8 +22,8 @@ import os
 import threading
 import time
 
+from ..state import consensus_kind
 from ..state.cache import SharedState
-from ..state.registry import consensus_kind
 from .metrics import PubSubCount, PubSubMetrics
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ until ``retry_timeout_s``, by one policy (:mod:`.retry`) that also logs any
 wait longer than a few seconds.
 
 Writing is two-phase: any number of processes stage parts
-(:class:`~.write.BatchBuilder`, bounded memory, streamed into Blob), then one
+(:class:`~.staging.BatchBuilder`, bounded memory, streamed into Blob), then one
 :meth:`~.write.WriteHandle.compare_and_append_batches` makes them all
 visible atomically at ``[expected_upper, new_upper)``. Tiny writes skip Blob
 and ride inline in the state diff, which is how a small write costs one
@@ -47,7 +47,7 @@ function of one state, :func:`~.planning.plan_read`: the collection at
 upper)`` (each event of :meth:`~.read.ReadHandle.listen`, a change feed, a
 streaming micro-batch), optionally capped and split over tasks. A reader
 *leases* the state it planned from, so GC keeps those parts until it is
-done; each part is a :class:`~.parts.LeasedPart` any process can fetch.
+done; each part is a :class:`~.planning.LeasedPart` any process can fetch.
 
 Maintenance is data too. After each commit the pure
 :func:`~.maintenance_policy.requests_after_commit` says whether compaction (merge
@@ -70,6 +70,15 @@ Memory: a writer holds at most ``B * (2N + 1)`` bytes per batch builder
 (``B`` = ``part_target_bytes``, ``N`` = ``max_outstanding_parts``); a reader
 streams parts and holds about ``3B``.
 
+The public surface is the names this package exports (``__all__``) and the
+exceptions of :mod:`.errors`; the Spark connector uses the shard through
+them alone (``tests/test_layout.py`` checks it). Inside, pure modules decide
+(``state``, ``commands``, ``diff``, ``planning``, ``schema``, ``stats``,
+``codec``, ...: functions of their arguments, no store, no clock, no
+threads) and the rest do the I/O around them (``machine``, ``versions``,
+``read``, ``staging``, ``write``, ``fetch``, ...); the layout test keeps the
+list of the pure ones.
+
 Quick start (the embedded default: file:// + sqlite:// under ~/.pyspark-persist):
 
 >>> import pyarrow as pa
@@ -80,43 +89,122 @@ Quick start (the embedded default: file:// + sqlite:// under ~/.pyspark-persist)
 >>> shard.reader().snapshot_table().to_pylist()
 """
 
+from typing import TYPE_CHECKING, Any
+
+from .blob import Blob, open_blob
 from .client import (
     PersistClient,
     Shard,
     default_blob_uri,
     default_consensus_uri,
     default_home,
+    validate_shard_name,
 )
+from .codec import ARROW, ARROW_ROWS, PARQUET
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
+from .consensus import open_consensus
+from .history import Commit, Replay, state_at
 from .logs import configure_from_environment
-from .parts import DIFF, TIME, LeasedPart
+from .machine import Machine
+from .planning import NO_LIMITS, LeasedPart, ReadLimits, ReadPlan, limited_upper, plan_read
 from .read import Listen, ListenEvent, ReadHandle, Snapshot, iter_parts
-from .write import BatchBuilder, StagedBatch, WriteHandle
+from .registry import blob_kind, consensus_kind
+from .retention import parse_retention
+from .schema import (
+    DIFF,
+    DIFF_TYPE,
+    TIME,
+    TIME_TYPE,
+    conform_columns,
+    decode_schema,
+    encode_schema,
+    evolve_schema,
+)
+from .staging import BatchBuilder, StagedBatch
+from .state import PartRef, ShardState, Time
+from .times import check_readable, describe, parse_time
+from .updates import consolidate
+from .write import WriteHandle, abandon_staged
+
+if TYPE_CHECKING:
+    from .changes import Behind, behind, check_change_range
+
+_LAZY = {"Behind": "changes", "behind": "changes", "check_change_range": "changes"}
+"""Public names loaded on first use: only a reader of the change feed needs them, and a Spark
+executor that only writes imports this package without loading their module."""
 
 __all__ = [
+    "ARROW",
+    "ARROW_ROWS",
     "DIFF",
+    "DIFF_TYPE",
+    "NO_LIMITS",
+    "PARQUET",
     "TIME",
+    "TIME_TYPE",
     "AlreadyCommitted",
     "AppendResult",
     "BatchBuilder",
+    "Behind",
+    "Blob",
+    "Commit",
     "Committed",
     "LeasedPart",
     "Listen",
     "ListenEvent",
+    "Machine",
+    "PartRef",
     "PersistClient",
     "PersistConfig",
     "ReadHandle",
+    "ReadLimits",
+    "ReadPlan",
+    "Replay",
     "Shard",
+    "ShardState",
     "Snapshot",
     "StagedBatch",
+    "Time",
     "UpperMismatch",
     "WriteHandle",
+    "abandon_staged",
+    "behind",
+    "blob_kind",
+    "check_change_range",
+    "check_readable",
+    "conform_columns",
+    "consensus_kind",
+    "consolidate",
+    "decode_schema",
     "default_blob_uri",
     "default_consensus_uri",
     "default_home",
+    "describe",
+    "encode_schema",
+    "evolve_schema",
     "iter_parts",
+    "limited_upper",
+    "open_blob",
+    "open_consensus",
+    "parse_retention",
+    "parse_time",
+    "plan_read",
+    "state_at",
+    "validate_shard_name",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
 
 # $PERSIST_LOG_LEVEL asks for persist's logs on stderr (state/logs.py); unset, nothing changes.
 configure_from_environment()

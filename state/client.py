@@ -27,17 +27,12 @@ from .errors import (
     ShardExists,
     ShardNotFound,
 )
-from .history import Commit, history, replay
+from .history import Commit, Replay, history, replay
 from .machine import DiffPublisher, Machine, Metrics, NoopPublisher, RunInfo
 from .maintenance import CompactionReport, GcReport, Maintenance
-from .parts import (
-    decode_schema,
-    encode_schema,
-    schema_mismatch_message,
-    validate_schema,
-)
 from .read import ReadHandle
 from .retention import parse_retention, set_retention
+from .schema import decode_schema, encode_schema, schema_mismatch_message, validate_schema
 from .state import ShardState, Time
 from .tracing import traced
 from .write import WriteHandle
@@ -369,9 +364,29 @@ class Shard:
     @traced("Shard.history", "name")
     def history(self) -> list[Commit]:
         """Every commit still described by Consensus, oldest first (see state/history.py)."""
+        return history(self.replay())
+
+    def replay(self) -> Replay:
+        """Every state Consensus still describes, from the oldest kept (its rollup) to the
+        newest, read now (retrying store blips for up to ``retry_timeout_s``): what
+        :func:`~.history.state_at` finds a SeqNo's state in."""
         with retry.deadline_in(self.machine.config.retry_timeout_s):
-            past = replay(self.name, self.machine.consensus, self.machine.blob)
-        return history(past)
+            return replay(self.name, self.machine.consensus, self.machine.blob)
+
+    def heartbeat_reader(self, reader_id: str, *, seqno: int, now_ms: int) -> bool:
+        """Extend the lease of leased reader ``reader_id`` to ``now_ms``, holding SeqNo
+        ``seqno``; False when it had already expired (its holds are gone: stop reading).
+
+        For a process reading under a lease another process registered (the
+        tasks of a Spark batch read, planned on the driver), which holds no
+        :class:`ReadHandle` of its own.
+        """
+        held = self.machine.run(
+            lambda s: commands.heartbeat_leased_reader(
+                s, reader_id=reader_id, now_ms=now_ms, seqno=seqno
+            )
+        )
+        return held is not None
 
     @traced("Shard.compact", "name")
     def compact(self) -> list[CompactionReport]:

@@ -17,7 +17,7 @@ from dataclasses import replace as dc_replace
 from typing import Generic, TypeVar
 
 from .diff import DiffBuilder
-from .parts import decode_schema, encode_schema, evolve_schema
+from .schema import decode_schema, encode_schema, evolve_schema
 from .state import (
     EMPTY_STATE,
     Batch,

@@ -32,7 +32,7 @@ from .blob import Blob
 from .consensus import Consensus
 from .diff import TOMBSTONE, decode
 from .errors import CorruptData, InvalidFrontier, ShardNotFound
-from .parts import decode_schema
+from .schema import decode_schema
 from .state import Batch, PartRef, ShardState, StateDiff
 from .versions import history_start
 

@@ -49,6 +49,7 @@ import pyarrow.compute as pc
 
 from . import commands, retention
 from .blob import BlobMeta
+from .columns import int_scalar
 from .config import PersistConfig
 from .errors import PartNotFound, PersistError, ShardDropped
 from .machine import Machine, RunInfo
@@ -68,21 +69,15 @@ from .maintenance_policy import (
     stale_rollups,
     truncation_point,
 )
-from .parts import (
-    MAX_TIME,
-    TIME,
-    TIME_TYPE,
-    LeasedPart,
-    consolidate,
-    decode_schema,
-    int_scalar,
-    with_times,
-)
+from .planning import LeasedPart
 from .read import ReadHandle, iter_parts
+from .schema import MAX_TIME, TIME, TIME_TYPE, decode_schema
+from .staging import BatchBuilder, delete_staged
 from .state import Batch, ShardState
 from .tracing import traced
+from .updates import consolidate, with_times
 from .versions import read_history, rollup_key, write_rollup
-from .write import BatchBuilder, check_staged, delete_staged, never_committed
+from .write import check_staged, never_committed
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Protocol
 from . import commands, retention
 from .config import PersistConfig
 from .diff import decode
-from .parts import part_key_created_ms
+from .keys import part_key_created_ms
 from .state import Batch, PartRef, ShardState, Time
 
 

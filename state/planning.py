@@ -31,12 +31,63 @@ error) stay with the caller.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import InvalidUsage
-from .parts import LeasedPart
 from .state import Batch, PartRef, ShardState, Time
+
+
+@dataclass(frozen=True)
+class LeasedPart:
+    """A part handed out by a snapshot or listen, with everything a remote process needs.
+
+    The reader keeps updates with ``lower <= time < upper`` (after the part's
+    ``ts_rewrite``) and, for a snapshot, advances every time to ``as_of``.
+    ``seqno`` is the SeqNo of the state the part was read from: the holder of
+    the lease on it keeps GC from deleting the part until it is returned.
+    """
+
+    shard_id: str
+    blob_uri: str
+    part: PartRef
+    lower: Time
+    upper: Time
+    as_of: Time | None
+    seqno: int
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for shipping to another process (a Spark InputPartition)."""
+        return {
+            "shard": self.shard_id,
+            "blob": self.blob_uri,
+            "part": self.part.to_json(),
+            "lower": self.lower,
+            "upper": self.upper,
+            "as_of": self.as_of,
+            "seqno": self.seqno,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LeasedPart:
+        """Decode what :meth:`to_json` produced."""
+        return cls(
+            shard_id=str(d["shard"]),
+            blob_uri=str(d["blob"]),
+            part=PartRef.from_json(d["part"]),
+            lower=int(d["lower"]),
+            upper=int(d["upper"]),
+            as_of=None if d.get("as_of") is None else int(d["as_of"]),
+            seqno=int(d["seqno"]),
+        )
+
+    @property
+    def needs_filter(self) -> bool:
+        """False when every update of the part is inside the bounds (the common case)."""
+        return not (
+            self.lower <= self.part.effective_min_time and self.part.effective_max_time < self.upper
+        )
 
 
 @dataclass(frozen=True)

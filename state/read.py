@@ -2,7 +2,7 @@
 
 - :meth:`ReadHandle.snapshot` names the parts that reconstruct the
   collection at ``as_of`` (``since <= as_of < upper``) as
-  :class:`~pyspark_persist.state.parts.LeasedPart` values any process can
+  :class:`~pyspark_persist.state.planning.LeasedPart` values any process can
   fetch; :meth:`ReadHandle.snapshot_table` fetches and consolidates them.
 - :meth:`ReadHandle.listen` yields every batch committed after ``as_of``, in
   time order, as :class:`ListenEvent` values (parts plus the new upper);
@@ -30,23 +30,15 @@ import pyarrow as pa
 
 from . import commands
 from .blob import Blob
+from .codec import iter_part_batches
 from .errors import InvalidFrontier, LeaseExpired, PartNotFound, ShardDropped
+from .fetch import fetch_part_bytes, release_memory
 from .machine import Count, Machine
-from .parts import (
-    TIME_TYPE,
-    LeasedPart,
-    conform_columns,
-    consolidate,
-    data_schema,
-    decode_schema,
-    fetch_part_bytes,
-    iter_part_batches,
-    release_memory,
-    shape_updates,
-)
-from .planning import NO_LIMITS, PartTotals, ReadLimits, ReadPlan, plan_read
+from .planning import NO_LIMITS, LeasedPart, PartTotals, ReadLimits, ReadPlan, plan_read
+from .schema import TIME_TYPE, conform_columns, data_schema, decode_schema
 from .state import Batch, PartRef, ShardState, Time
 from .tracing import traced
+from .updates import consolidate, shape_updates
 
 
 class ReaderTracker(Protocol):
@@ -95,7 +87,7 @@ def iter_parts(
     shard's row columns at the read) every slice has exactly its columns: a
     part written before a column was added reads null there.
     ``_time`` comes out as ``time_type`` (see
-    :func:`~pyspark_persist.state.parts.shape_updates`).
+    :func:`~pyspark_persist.state.updates.shape_updates`).
 
     Holds the bytes of at most two parts plus one decoded slice: about
     ``3 * part_target_bytes`` whatever the number of parts. Parts under

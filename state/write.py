@@ -1,49 +1,37 @@
-"""Writing a shard: stage parts anywhere, then commit them with one compare_and_append.
+"""Committing a write: staged batches made visible with one compare_and_append, and cleanup.
 
-A write has two halves that may run in different processes:
-
-1. *Staging*: a :class:`BatchBuilder` cuts updates into parts of about
-   ``part_target_bytes`` and uploads them to Blob, at most
-   ``max_outstanding_parts`` at a time, so memory stays within
-   ``B * (2N + 1)`` whatever the data size. Parts are Parquet, encoded into
-   Blob as they are made, or with ``part_format="arrow"`` Arrow IPC streams
-   written to Blob as the updates arrive (:meth:`~.blob.Blob.open_writer`), so
-   no Arrow part is held whole, as a table or as bytes, where the store takes a
-   stream (a file). ``part_format="arrow-rows"`` (the Spark sink's, for inserts
-   at one time) stores only the row columns of such a stream. The result, a
-   :class:`StagedBatch`, is a small JSON-able value: nothing is visible yet.
-2. *Commit*: :meth:`WriteHandle.compare_and_append_batches` makes any number
-   of staged batches visible in one state change, iff the shard's upper is
-   still the expected one. A retry after an unknown outcome, or a replay of
-   the same token, is answered :class:`~pyspark_persist.state.commands.AlreadyCommitted`
-   and applies nothing.
+A write has two halves that may run in different processes. Staging
+(:mod:`.staging`) uploads parts anywhere, invisibly, and yields
+:class:`~.staging.StagedBatch` values. The commit,
+:meth:`WriteHandle.compare_and_append_batches`, makes any number of staged
+batches visible in one state change, iff the shard's upper is still the
+expected one. A retry after an unknown outcome, or a replay of the same
+token, is answered :class:`~pyspark_persist.state.commands.AlreadyCommitted`
+and applies nothing.
 
 Parts that were staged but never committed are invisible. A commit refused
 for good deletes them, and so does ``abort``, but only where no state
 references them and no attempt with an unknown outcome (a lost reply, an
 attempt still in flight) can land any more (:func:`abandon_staged`);
 whatever that cannot prove, and whatever a crash left, GC's orphan sweep
-deletes once it is older than ``staged_part_grace_s``.
+deletes once it is older than ``staged_part_grace_s``. Every attempt that
+would reference staged parts first checks they are still there and safe
+from that sweep (:func:`check_staged`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Sequence
 from dataclasses import replace as dc_replace
-from typing import Any
 
 import pyarrow as pa
 
 from . import commands
-from .blob import Blob, BlobWriter
+from .codec import ARROW, part_checksum
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
-from .config import PersistConfig
 from .diff import decode
 from .errors import (
     InvalidFrontier,
@@ -54,399 +42,15 @@ from .errors import (
     StagedPartsExpired,
 )
 from .machine import Machine, RunInfo
-from .parts import (
-    ARROW,
-    ARROW_ROWS,
-    MAX_TIME,
-    PARQUET,
-    PART_FORMATS,
-    RESERVED,
-    ArrowPartEncoder,
-    conform_inserts,
-    conform_updates,
-    decode_schema,
-    encode_inline,
-    encode_schema,
-    evolve_schema,
-    new_part_key,
-    part_checksum,
-    part_ref,
-    release_memory,
-    time_bounds,
-    write_parquet_part,
-)
+from .part_formats import new_part_key
+from .schema import MAX_TIME, RESERVED, conform_updates, decode_schema, encode_schema, evolve_schema
+from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
+from .stats import time_bounds
 from .tracing import traced
 from .versions import read_history
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StagedBatch:
-    """Parts uploaded (or kept inline) but not yet committed; JSON-able to cross processes."""
-
-    shard_id: str
-    parts: tuple[PartRef, ...]
-    has_time: bool
-
-    @property
-    def rows(self) -> int:
-        """Updates staged."""
-        return sum(p.rows for p in self.parts)
-
-    @property
-    def size_bytes(self) -> int:
-        """Encoded bytes staged."""
-        return sum(p.size_bytes for p in self.parts)
-
-    def to_json(self) -> dict[str, Any]:
-        """Encode for a Spark commit message or any other hop between processes."""
-        return {
-            "shard": self.shard_id,
-            "parts": [p.to_json() for p in self.parts],
-            "has_time": self.has_time,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> StagedBatch:
-        """Decode what :meth:`to_json` produced."""
-        return cls(
-            shard_id=str(d["shard"]),
-            parts=tuple(PartRef.from_json(p) for p in d["parts"]),
-            has_time=bool(d["has_time"]),
-        )
-
-
-class BatchBuilder:
-    """Stages updates as parts of a target size with bounded memory. See the module doc.
-
-    Usable from any process that can open the shard's Blob; it never touches
-    Consensus. Not thread-safe: one builder per writing thread.
-    """
-
-    def __init__(
-        self,
-        blob: Blob,
-        shard_id: str,
-        schema: pa.Schema,
-        config: PersistConfig,
-        *,
-        allow_inline: bool = True,
-        inline_budget: int | None = None,
-        part_format: str = PARQUET,
-    ) -> None:
-        if part_format not in PART_FORMATS:
-            raise InvalidUsage(
-                f"part format {part_format!r} is unknown: use one of {', '.join(PART_FORMATS)}"
-            )
-        self._format = part_format
-        self._encoder: ArrowPartEncoder | None = None
-        self._open: tuple[str, BlobWriter] | None = None
-        """The key and Blob writer of the Arrow part being streamed (``_encoder``'s)."""
-        self._blob = blob
-        self._shard_id = shard_id
-        self._schema = schema
-        self._config = config
-        self._allow_inline = allow_inline
-        limit = config.inline_write_max_bytes if allow_inline else 0
-        self._inline_limit = limit if inline_budget is None else min(limit, inline_budget)
-        self._buffer: list[pa.Table] = []
-        self._buffered_bytes = 0
-        """Exact bytes of ``_buffer[:_measured]`` (Parquet parts); for Arrow formats, the bytes
-        of the tiny updates held back in ``_buffer`` while they may still ride inline."""
-        self._measured = 0
-        self._unmeasured_bound = 0
-        """An upper bound of the bytes of ``_buffer[_measured:]`` (their total buffer sizes)."""
-        self._has_time: bool | None = None
-        self._pending: list[Future[PartRef]] = []
-        self._done: list[PartRef] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._finished = False
-        self._timing_lock = threading.Lock()
-        self.queued_s = 0.0
-        """Seconds ``add``/``finish`` waited for an upload slot (parts queued behind uploads)."""
-        self.upload_s = 0.0
-        """Seconds spent encoding and uploading parts, summed over the threads doing it (an Arrow
-        part is encoded and written as updates are added, and committed on an upload thread)."""
-
-    def add(self, updates: pa.Table | pa.RecordBatch) -> None:
-        """Buffer updates; cut and upload a part whenever ``part_target_bytes`` are buffered.
-
-        Blocks while ``max_outstanding_parts`` uploads are in flight.
-        """
-        table, has_time = conform_updates(updates, self._schema, self._shard_id)
-        self.add_conformed(table, has_time)
-
-    def add_inserts(self, rows: pa.Table) -> None:
-        """``add`` for rows of the shard's columns alone, every one an insert at the commit's
-        time (a sink's DataFrame without ``_diff``), into an ``arrow-rows`` batch.
-
-        Such a part stores the row columns alone: once it streams (past what may
-        still ride inline), the rows go to it as they are, checked by
-        ``conform_inserts``, without the constant ``_time`` and ``_diff``
-        columns ``add`` would build for the encoder to check and drop again.
-        """
-        if self._format != ARROW_ROWS:
-            raise InvalidUsage(f"add_inserts stages {ARROW_ROWS} parts, not {self._format}")
-        rows = conform_inserts(rows, self._schema, self._shard_id)
-        if self._may_ride_inline():
-            self.add(rows)  # in part layout, as every update held back
-            return
-        self._check_open(has_time=False)
-        if rows.num_rows:
-            self._add_arrow(rows, inserts=True)
-
-    def add_conformed(self, table: pa.Table, has_time: bool) -> None:
-        """``add`` for updates already passed through ``conform_updates`` (no second check)."""
-        self._check_open(has_time)
-        if table.num_rows == 0:
-            return
-        if self._format in (ARROW, ARROW_ROWS):
-            if self._may_ride_inline():
-                if self._buffered_bytes + table.nbytes <= self._inline_limit:
-                    self._buffer.append(table)
-                    self._buffered_bytes += table.nbytes
-                    return
-                table = pa.concat_tables([*self._buffer, table]) if self._buffer else table
-                self._buffer.clear()
-                self._buffered_bytes = 0
-            self._add_arrow(table)
-            return
-        target = self._config.part_target_bytes
-        # Table.nbytes walks every buffer range (a one-row write's largest cost); the total
-        # buffer size is a near-free upper bound, enough to know a table is far from the target.
-        bound = table.get_total_buffer_size()
-        if self._buffered_bytes + self._unmeasured_bound + bound < target:  # no slicing
-            self._buffer.append(table)
-            self._unmeasured_bound += bound
-            return
-        # Near the target: measure what was buffered unmeasured, once, and cut exactly.
-        self._buffered_bytes += sum(t.nbytes for t in self._buffer[self._measured :])
-        self._unmeasured_bound = 0
-        size = table.nbytes
-        if self._buffered_bytes + size < target:
-            self._buffer.append(table)
-            self._buffered_bytes += size
-            self._measured = len(self._buffer)
-            return
-        while table.num_rows:
-            room = max(target - self._buffered_bytes, 1)
-            rows_fit = max(1, int(table.num_rows * room / max(table.nbytes, 1)))
-            head, table = table.slice(0, rows_fit), table.slice(rows_fit)
-            self._buffer.append(head)
-            self._buffered_bytes += head.nbytes
-            self._measured = len(self._buffer)
-            if self._buffered_bytes >= target:
-                self._flush()
-
-    def _check_open(self, has_time: bool) -> None:
-        """Refuse a finished builder, and updates whose ``_time`` presence differs from the
-        batch's so far."""
-        if self._finished:
-            raise InvalidUsage("this batch builder was already finished or aborted")
-        if self._has_time is None:
-            self._has_time = has_time
-        elif self._has_time != has_time:
-            raise InvalidUpdates(
-                "some updates given to one batch carry a _time column and some do not; "
-                "give every update a _time, or none (the commit then assigns one)"
-            )
-
-    def _may_ride_inline(self) -> bool:
-        """Nothing streamed or uploaded yet: tiny updates are held back, they may be the
-        whole write and then ride inline (no Blob object, no upload at all)."""
-        return self._inline_limit > 0 and self._encoder is None and not self._done
-
-    def _add_arrow(self, table: pa.Table, inserts: bool = False) -> None:
-        """Stream updates into the open Arrow part; commit it once it holds the target bytes.
-
-        ``inserts``: ``table`` holds row columns alone (see :meth:`add_inserts`).
-        """
-        target = self._config.part_target_bytes
-        started = time.perf_counter()
-        while table.num_rows:
-            if self._encoder is None:
-                self._open_arrow(table.schema)
-            assert self._encoder is not None
-            room = self._encoder.rows_room(target, table)
-            head = table if table.num_rows < room else table.slice(0, room)
-            if inserts:
-                self._encoder.write_inserts(head, 0)  # no _time: zero, rewritten at commit
-            else:
-                self._encoder.write(head)
-            if head is table:
-                break
-            table = table.slice(room)
-            self._submit_arrow()
-        self._add_upload_s(time.perf_counter() - started)
-
-    def _open_arrow(self, schema: pa.Schema) -> None:
-        key = new_part_key(self._shard_id, self._format)
-        out = self._blob.open_writer(key)
-        try:
-            self._encoder = ArrowPartEncoder(
-                schema, out, self._config.read_batch_rows, rows_only=self._format == ARROW_ROWS
-            )
-        except BaseException:
-            out.abort()
-            raise
-        self._open = (key, out)
-
-    def _submit_arrow(self, last: bool = False) -> None:
-        """End the open Arrow part and commit it to Blob (on an upload thread unless ``last``)."""
-        encoder, self._encoder = self._encoder, None
-        if encoder is None or self._open is None:
-            return
-        (key, out), self._open = self._open, None
-        try:
-            size, crc = encoder.finish()
-        except BaseException:
-            out.abort()
-            raise
-        ref = encoder.stats.ref(key, None, size, crc, self._format)
-        del encoder
-        if last and self._pool is None:
-            # The only part (a small write): nothing to overlap its commit with, so no
-            # thread to start and join (on a busy machine that costs more than the commit).
-            self._done.append(self._commit_arrow(out, ref))
-            return
-        self._wait_for_slot()
-        self._pending.append(self._executor().submit(self._commit_arrow, out, ref))
-
-    def _commit_arrow(self, out: BlobWriter, ref: PartRef) -> PartRef:
-        """Make a streamed part durable under its key (a file's fsync and rename, an upload)."""
-        started = time.perf_counter()
-        try:
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-        self._add_upload_s(time.perf_counter() - started)
-        release_memory()
-        return ref
-
-    def _add_upload_s(self, seconds: float) -> None:
-        with self._timing_lock:
-            self.upload_s += seconds
-
-    @traced("BatchBuilder.finish", "_shard_id")
-    def finish(self) -> StagedBatch:
-        """Upload what is buffered, wait for every upload, and return the staged batch."""
-        if self._finished:
-            raise InvalidUsage("this batch builder was already finished or aborted")
-        try:
-            if self._buffer and self._format in (ARROW, ARROW_ROWS):
-                # Every update was held back as tiny: inline if it encodes small enough.
-                table = self._take_buffer()
-                encoded = encode_inline(table)
-                if len(encoded) <= self._inline_limit:
-                    self._done.append(part_ref(table, None, encoded, len(encoded)))
-                else:
-                    self._add_arrow(table)
-            self._submit_arrow(last=True)
-            if self._buffer:
-                table = self._take_buffer()
-                inline = encode_inline(table) if self._allow_inline and not self._pending else None
-                if inline is not None and not self._done and len(inline) <= self._inline_limit:
-                    self._done.append(part_ref(table, None, inline, len(inline)))
-                elif self._pool is None:
-                    self._done.append(self._upload(table))  # the only part: as in _submit_arrow
-                else:
-                    self._submit(table)
-            for f in self._pending:
-                self._done.append(f.result())
-        except BaseException:
-            self.abort()
-            raise
-        self._pending.clear()
-        self._finished = True
-        self._shutdown()
-        return StagedBatch(self._shard_id, tuple(self._done), bool(self._has_time))
-
-    def abort(self) -> None:
-        """Delete every part this builder uploaded; the builder cannot be used afterwards.
-
-        After :meth:`finish` it deletes nothing: the parts belong to the
-        returned StagedBatch, which a commit may reference (one whose reply was
-        lost may have landed); give a batch up with :func:`abandon_staged`.
-        """
-        if self._finished:
-            return
-        self._finished = True
-        for f in self._pending:
-            try:
-                self._done.append(f.result())
-            except Exception:  # noqa: BLE001, S112 - a failed upload left nothing to delete
-                continue
-        self._pending.clear()
-        delete_staged(self._blob, self._done)
-        self._done.clear()
-        self._buffer.clear()
-        self._encoder = None
-        if self._open is not None:
-            self._open[1].abort()
-            self._open = None
-        self._shutdown()
-
-    def _take_buffer(self) -> pa.Table:
-        # No combine_chunks: Parquet encodes chunked columns directly, and a merged
-        # copy would hold a second B bytes while the slices are still referenced.
-        table = self._buffer[0] if len(self._buffer) == 1 else pa.concat_tables(self._buffer)
-        self._buffer.clear()
-        self._buffered_bytes = 0
-        self._measured = 0
-        self._unmeasured_bound = 0
-        return table
-
-    def _flush(self) -> None:
-        self._submit(self._take_buffer())
-
-    def _submit(self, table: pa.Table) -> None:
-        self._wait_for_slot()
-        self._pending.append(self._executor().submit(self._upload, table))
-
-    def _wait_for_slot(self) -> None:
-        started = time.perf_counter()
-        while len(self._pending) >= self._config.max_outstanding_parts:
-            self._done.append(self._pending.pop(0).result())
-        self.queued_s += time.perf_counter() - started
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=self._config.max_outstanding_parts, thread_name_prefix="persist-upload"
-            )
-        return self._pool
-
-    def _upload(self, table: pa.Table) -> PartRef:
-        """Encode a Parquet part into Blob as it is made (``write_parquet_part``) and commit it."""
-        started = time.perf_counter()
-        key = new_part_key(self._shard_id)
-        out = self._blob.open_writer(key)
-        try:
-            size, crc = write_parquet_part(table, out)
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-        self._add_upload_s(time.perf_counter() - started)
-        ref = part_ref(table, key, None, size, crc)
-        del table
-        release_memory()
-        return ref
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def delete_staged(blob: Blob, parts: Sequence[PartRef]) -> None:
-    """Delete the Blob objects of parts that surely were not committed."""
-    for p in parts:
-        if p.key is not None:
-            blob.delete(p.key)
 
 
 def check_staged(machine: Machine, parts: Sequence[PartRef]) -> None:
@@ -841,10 +445,8 @@ def _check_uppers(expected_upper: Time, new_upper: Time) -> None:
 
 
 def _with_rewrite(part: PartRef, ts_rewrite: Time) -> PartRef:
-    from dataclasses import replace
-
     current = part.ts_rewrite
-    return replace(part, ts_rewrite=ts_rewrite if current is None else max(current, ts_rewrite))
+    return dc_replace(part, ts_rewrite=ts_rewrite if current is None else max(current, ts_rewrite))
 
 
 def never_committed(machine: Machine, parts: Sequence[PartRef], info: RunInfo) -> list[PartRef]:

@@ -10,7 +10,7 @@ import collections
 
 import pyarrow as pa
 
-from pyspark_persist.state.parts import DIFF
+from pyspark_persist.state import DIFF
 
 SCHEMA = pa.schema([("k", pa.int64())])
 

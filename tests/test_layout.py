@@ -307,3 +307,245 @@ def test_layer_check_sees_an_import_pointing_up(tmp_path: Path) -> None:
         "pyspark_persist.state.a -> pyspark_persist.pubsub (line 1)",
         "pyspark_persist.state.b -> pyspark.sql (line 2)",
     ]
+
+
+KERNEL: dict[str, str] = {
+    "state/errors.py": "the error taxonomy: exception classes and nothing else",
+    "state/state.py": "the frozen ShardState and the values in it (parts, batches, holds)",
+    "state/diff.py": "state diffs encoded, checked and applied: bytes and states in, states out",
+    "state/commands.py": "every state transition: (state, arguments) -> diff or refusal; the "
+    "caller passes the time",
+    "state/retention.py": "the since retention allows, a command of the state and the caller's now",
+    "state/config.py": "the knobs: a validated frozen value",
+    "state/times.py": "times parsed and checked against frontiers; it never reads the clock",
+    "state/planning.py": "which parts answer a read (plan_read), split over tasks; LeasedPart",
+    "state/changes.py": "which change ranges can be read, and what is left to read",
+    "state/schema.py": "the row schema, the part layout, a write conformed, the schema evolved",
+    "state/columns.py": "Arrow columns built and measured without pandas",
+    "state/stats.py": "a part's time, diff and column ranges, gathered from its rows",
+    "state/codec.py": "part bytes encoded and decoded; encoders write only to a sink handed in",
+    "state/keys.py": "how a part key is spelled and read back; the caller passes the time",
+    "state/updates.py": "a leased part's updates shaped to a read, and consolidated",
+    "state/maintenance_policy.py": "what to compact, what GC may delete, where to truncate: "
+    "maintenance decided from state, run elsewhere",
+}
+"""The pure kernel of the shard: the modules that decide and never do I/O. Each is a function
+of its arguments: no store, no clock, no threads, no environment, no randomness (the shell
+modules around them read the clock, draw the nonces and talk to Blob and Consensus, and pass
+the results in). The one list the kernel checks read: edit it here when a module is split,
+renamed or joins."""
+
+NOT_IN_KERNEL: dict[str, str] = {
+    "pyspark_persist.state.blob": "Blob",
+    "pyspark_persist.state.consensus": "Consensus",
+    "threading": "threads",
+    "concurrent": "thread pools",
+    "asyncio": "an event loop",
+    "time": "the clock",
+    "os": "the environment and the file system",
+    "pyarrow.fs": "file systems",
+    "socket": "the network",
+    "subprocess": "other processes",
+    "logging": "output",
+    "uuid": "randomness",
+    "random": "randomness",
+    "secrets": "randomness",
+    "boto3": "S3",
+    "sqlalchemy": "SQL",
+    "psycopg": "PostgreSQL",
+    "grpc": "the network",
+}
+"""What a kernel module may not import, anywhere in it (deferred and type-checking imports
+too), and why: each does I/O, keeps time, or draws randomness."""
+
+MAX_STATE_LINES = 600
+"""No file under state/ is longer: one concern per module."""
+
+LONG_FILES_ALLOWED = {"state/consensus/sql.py": "the SQL backend: SQLite and PostgreSQL in one"}
+
+
+def kernel_violations(top: Path, kernel: dict[str, str]) -> list[str]:
+    """Every import of a kernel module (wherever it sits) of something in NOT_IN_KERNEL, or of
+    a module of the tree outside the kernel; and every listed module the tree lacks."""
+    modules = _modules(top)
+    by_path = {path.relative_to(top).as_posix(): name for name, path in modules.items()}
+    names = {by_path[p] for p in kernel if p in by_path}
+    found = [f"{p}: listed in the kernel but not in the tree" for p in kernel if p not in by_path]
+    for rel in sorted(p for p in kernel if p in by_path):
+        name = by_path[rel]
+        path = modules[name]
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _every_import(ast.parse(path.read_text(), str(path))):
+            for target in _targets(node, package):
+                why = next((w for m, w in NOT_IN_KERNEL.items() if _within(target, m)), None)
+                if why is not None:
+                    found.append(f"{rel}: imports {target} ({why}) on line {node.lineno}")
+                elif (
+                    target in modules
+                    and target not in names
+                    and target != name
+                    and not name.startswith(target + ".")
+                ):
+                    found.append(
+                        f"{rel}: imports {target}, not in the kernel, on line {node.lineno}"
+                    )
+    return sorted(set(found))
+
+
+def _within(target: str, module: str) -> bool:
+    """Whether ``target`` is ``module`` or inside it."""
+    return target == module or target.startswith(module + ".")
+
+
+def _targets(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
+    """The dotted names an import statement loads (for ``from x import y``: ``x`` and
+    ``x.y``, which may be a module), relative ones resolved against ``package``."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        base = ".".join(anchor + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def test_the_kernel_does_no_io() -> None:
+    """The pure modules (KERNEL) import nothing that does I/O, keeps time or draws randomness,
+    and no module of the tree outside the kernel: what they decide depends on their arguments."""
+    assert kernel_violations(Path(__file__).resolve().parents[1], KERNEL) == []
+
+
+def test_kernel_check_sees_io(tmp_path: Path) -> None:
+    """The check above can fail: a kernel module importing the clock at load time, Blob in a
+    function, a shell module under TYPE_CHECKING, or a thread pool is found, as is a listed
+    module the tree lacks; a kernel module importing another, or numpy, is not."""
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "state" / "blob").mkdir()
+    (tmp_path / "state" / "blob" / "__init__.py").write_text("import os\n")
+    (tmp_path / "state" / "shell.py").write_text("import time\n")
+    (tmp_path / "state" / "a.py").write_text("import time\nfrom . import b\n")
+    (tmp_path / "state" / "b.py").write_text(
+        "import numpy\n\n\ndef f() -> None:\n    from .blob import Blob\n"
+    )
+    (tmp_path / "state" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .shell import S\n"
+        "from concurrent.futures import Future\n"
+    )
+    kernel = {f"state/{m}.py": "planted" for m in ("a", "b", "c", "gone")}
+    assert kernel_violations(tmp_path, kernel) == [
+        "state/a.py: imports time (the clock) on line 1",
+        "state/b.py: imports pyspark_persist.state.blob (Blob) on line 5",
+        "state/b.py: imports pyspark_persist.state.blob.Blob (Blob) on line 5",
+        "state/c.py: imports concurrent.futures (thread pools) on line 4",
+        "state/c.py: imports concurrent.futures.Future (thread pools) on line 4",
+        "state/c.py: imports pyspark_persist.state.shell, not in the kernel, on line 3",
+        "state/gone.py: listed in the kernel but not in the tree",
+    ]
+
+
+def long_files(top: Path) -> list[str]:
+    """Every file under state/ longer than MAX_STATE_LINES but those LONG_FILES_ALLOWED."""
+    found = []
+    for path in sorted((top / "state").rglob("*.py")):
+        rel = path.relative_to(top).as_posix()
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_STATE_LINES and rel not in LONG_FILES_ALLOWED:
+            found.append(f"{rel}: {lines} lines")
+    return found
+
+
+def test_no_file_under_state_is_over_600_lines() -> None:
+    """Modules of one concern each stay short enough to read whole (the SQL backend aside)."""
+    assert long_files(Path(__file__).resolve().parents[1]) == []
+
+
+def test_long_file_check_sees_a_long_file(tmp_path: Path) -> None:
+    """The check above can fail: a file of 601 lines under state/ is found, in a subpackage too;
+    one of 600 lines is not, nor the SQL backend."""
+    (tmp_path / "state" / "consensus").mkdir(parents=True)
+    (tmp_path / "state" / "ok.py").write_text("x = 1\n" * MAX_STATE_LINES)
+    (tmp_path / "state" / "consensus" / "sql.py").write_text("x = 1\n" * 900)
+    (tmp_path / "state" / "consensus" / "long.py").write_text("x = 1\n" * 601)
+    assert long_files(tmp_path) == ["state/consensus/long.py: 601 lines"]
+
+
+def _public_names(top: Path) -> set[str]:
+    """``pyspark_persist.state.__all__``, read from the source."""
+    tree = ast.parse((top / "state" / "__init__.py").read_text())
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets
+        ):
+            return set(ast.literal_eval(stmt.value))
+    return set()
+
+
+def public_name_sources(top: Path) -> dict[str, str]:
+    """Each name ``pyspark_persist.state`` re-exports -> the file it comes from (``state/x.py``,
+    or a subpackage's ``__init__.py``), read from the package's imports (lazy ones too)."""
+    sources = {}
+    for node in _every_import(ast.parse((top / "state" / "__init__.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            path = top / "state" / node.module.replace(".", "/")
+            rel = f"state/{node.module.replace('.', '/')}"
+            rel = f"{rel}/__init__.py" if path.is_dir() else f"{rel}.py"
+            sources.update({alias.name: rel for alias in node.names})
+    return sources
+
+
+PUBLIC_STATE_MODULES = {"pyspark_persist.state", "pyspark_persist.state.errors"}
+"""The state modules the connector may import from: the package's public names, and the
+documented home of every exception."""
+
+
+def private_state_imports(top: Path) -> list[str]:
+    """Every import in the connector (wherever it sits) of the state layer other than a public
+    name of ``pyspark_persist.state`` or an exception of ``pyspark_persist.state.errors``."""
+    public = _public_names(top)
+    found = []
+    for name, path in sorted(_modules(top).items()):
+        if _layer(name) != "connector":
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _every_import(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                bad = [a.name for a in node.names if _layer(a.name) == "state"]
+            else:
+                base = _targets(node, package)[0]
+                if _layer(base) != "state":
+                    continue
+                if base == "pyspark_persist.state":
+                    bad = [f"{base}.{a.name}" for a in node.names if a.name not in public]
+                else:
+                    bad = [] if base in PUBLIC_STATE_MODULES else [base]
+            found += [f"{name} -> {b} (line {node.lineno})" for b in bad]
+    return sorted(found)
+
+
+def test_the_connector_uses_only_public_names_of_state() -> None:
+    """The Spark source and sink use the shard through ``pyspark_persist.state``'s public names
+    (and its errors), so the core's modules can move without touching them."""
+    assert private_state_imports(Path(__file__).resolve().parents[1]) == []
+
+
+def test_public_name_check_sees_a_private_import(tmp_path: Path) -> None:
+    """The check above can fail: an internal module imported from or by name, and a name the
+    package does not export, are found; public names and errors are not."""
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "state" / "__init__.py").write_text('__all__ = ["Shard"]\n')
+    (tmp_path / "connector" / "__init__.py").write_text("")
+    (tmp_path / "connector" / "a.py").write_text(
+        "from pyspark_persist.state import Shard\n"
+        "from pyspark_persist.state.errors import ShardDropped\n"
+        "from pyspark_persist.state import Machine\n"
+        "def f() -> None:\n    from pyspark_persist.state.machine import Machine\n"
+        "import pyspark_persist.state.read\n"
+    )
+    assert private_state_imports(tmp_path) == [
+        "pyspark_persist.a -> pyspark_persist.state.Machine (line 3)",
+        "pyspark_persist.a -> pyspark_persist.state.machine (line 5)",
+        "pyspark_persist.a -> pyspark_persist.state.read (line 6)",
+    ]

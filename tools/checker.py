@@ -89,6 +89,7 @@ from typing import Any
 import pyarrow as pa
 
 from pyspark_persist.state import (
+    TIME,
     AlreadyCommitted,
     Committed,
     PersistClient,
@@ -114,7 +115,6 @@ from pyspark_persist.state.errors import (
     PersistError,
 )
 from pyspark_persist.state.logs import configure as configure_logs
-from pyspark_persist.state.parts import TIME
 from pyspark_persist.state.registry import blob_kind, consensus_kind
 from pyspark_persist.state.unreliable import (
     FAULT_KINDS,

@@ -605,10 +605,9 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
     """
     import pyarrow as pa
 
+    from pyspark_persist.state import consolidate, iter_parts, plan_read
     from pyspark_persist.state.errors import PartNotFound
-    from pyspark_persist.state.parts import consolidate, data_schema
-    from pyspark_persist.state.planning import plan_read
-    from pyspark_persist.state.read import iter_parts
+    from pyspark_persist.state.schema import data_schema
 
     for _attempt in range(_SHOW_ATTEMPTS):
         state = shard.state()

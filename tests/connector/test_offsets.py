@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_layout import KERNEL, public_name_sources
 
 from pyspark_persist.offsets import (
     LISTEN,
@@ -374,21 +375,25 @@ def test_check_incarnation(opened: str | None, named: str, dropped: bool) -> Non
 
 def test_offsets_decide_with_no_spark_store_clock_or_thread() -> None:
     """``offsets.py`` imports no Spark, no Blob/Consensus/handle module, nothing that keeps
-    time or runs threads: every import it names, deferred ones too, is of a pure module."""
-    path = Path(__file__).resolve().parents[2] / "connector" / "offsets.py"
+    time or runs threads: besides the standard modules below it names only state's public
+    names and its errors, deferred imports too, and each name it takes from
+    ``pyspark_persist.state`` comes from a module of the pure kernel (tests/test_layout.py)."""
+    top = Path(__file__).resolve().parents[2]
     named: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    from_state: set[str] = set()
+    for node in ast.walk(ast.parse((top / "connector" / "offsets.py").read_text())):
         if isinstance(node, ast.Import):
             named.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             named.add(node.module or "")
+            if node.module == "pyspark_persist.state":
+                from_state.update(alias.name for alias in node.names)
     assert named == {
         "__future__",
         "dataclasses",
         "typing",
-        "pyspark_persist.state.changes",
+        "pyspark_persist.state",
         "pyspark_persist.state.errors",
-        "pyspark_persist.state.planning",
-        "pyspark_persist.state.state",
-        "pyspark_persist.state.times",
     }
+    sources = public_name_sources(top)
+    assert {n: sources[n] for n in from_state if sources[n] not in KERNEL} == {}

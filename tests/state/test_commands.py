@@ -41,7 +41,7 @@ from pyspark_persist.state.commands import (
 )
 from pyspark_persist.state.diff import decode, encode
 from pyspark_persist.state.errors import SchemaMismatch
-from pyspark_persist.state.parts import decode_schema, encode_schema
+from pyspark_persist.state.schema import decode_schema, encode_schema
 from pyspark_persist.state.state import (
     EMPTY_STATE,
     Batch,

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 from key_helpers import SCHEMA, counts, updates
 
-from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state import PersistClient, PersistConfig, StagedBatch
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.commands import Committed, UpperMismatch
@@ -38,7 +38,6 @@ from pyspark_persist.state.errors import (
 from pyspark_persist.state.maintenance import compact
 from pyspark_persist.state.maintenance_policy import compaction_request
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
-from pyspark_persist.state.write import StagedBatch
 
 
 class HookedConsensus(UnreliableConsensus):

@@ -13,7 +13,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state import PersistClient, PersistConfig, encode_schema
 from pyspark_persist.state.blob import Blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import VersionedData
@@ -26,7 +26,6 @@ from pyspark_persist.state.errors import (
     ShardNotFound,
     StoreUnavailable,
 )
-from pyspark_persist.state.parts import encode_schema
 from pyspark_persist.state.state import EMPTY_STATE
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 

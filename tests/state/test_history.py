@@ -94,3 +94,15 @@ def test_history_lists_each_commit_with_its_operation_writer_and_sizes() -> None
     assert (merge.writer_id, merge.lower, merge.upper, merge.rows_before) == (None, 0, 3, 207)
     assert merge.rows_after <= merge.rows_before and merge.seqno > overwrite.seqno
     assert [c.seqno for c in got] == sorted(c.seqno for c in got)
+
+
+def test_a_shards_replay_is_the_past_consensus_keeps() -> None:
+    """Shard.replay (what the Spark readers resolve startingSeqNo and endingSeqNo against) is
+    the kept history: its head is the shard's state, and each SeqNo's state is in it."""
+    tag = uuid.uuid4().hex
+    shard = PersistClient.open(f"mem://{tag}", f"mem://{tag}").open_shard("r", SCHEMA)
+    result = shard.writer().compare_and_append(pa.table({"id": [1]}), 0, 5)
+    past = shard.replay()
+    assert past.head == shard.state()
+    seqno = result.seqno  # type: ignore[union-attr]
+    assert state_at(past, seqno, "x").upper == 5 and state_at(past, seqno - 1, "x").upper == 0

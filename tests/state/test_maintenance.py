@@ -41,16 +41,24 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.state import Committed, PersistClient, PersistConfig, Shard, UpperMismatch
+from pyspark_persist.state import (
+    ARROW,
+    DIFF,
+    TIME,
+    BatchBuilder,
+    Committed,
+    PersistClient,
+    PersistConfig,
+    Shard,
+    UpperMismatch,
+)
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import LeaseExpired
 from pyspark_persist.state.maintenance import compact
 from pyspark_persist.state.maintenance_policy import compaction_request
-from pyspark_persist.state.parts import ARROW, DIFF, TIME
 from pyspark_persist.state.state import ShardState
-from pyspark_persist.state.write import BatchBuilder
 
 SCHEMA = pa.schema([("k", pa.int64())])
 Ref = collections.Counter[int]

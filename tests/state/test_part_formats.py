@@ -20,22 +20,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, iter_parts
-from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
-from pyspark_persist.state.parts import (
+from pyspark_persist.state import (
     ARROW,
     ARROW_ROWS,
+    DIFF,
     PARQUET,
+    TIME,
+    BatchBuilder,
     LeasedPart,
-    PartStats,
-    _column_bounds,
-    conform_updates,
-    fetch_part_bytes,
-    iter_part_batches,
-    part_ref,
+    PartRef,
+    PersistClient,
+    PersistConfig,
+    iter_parts,
 )
-from pyspark_persist.state.state import PartRef
-from pyspark_persist.state.write import BatchBuilder
+from pyspark_persist.state.codec import PART_FORMATS, iter_part_batches
+from pyspark_persist.state.errors import CorruptData, InvalidUpdates, InvalidUsage, SchemaMismatch
+from pyspark_persist.state.fetch import fetch_part_bytes
+from pyspark_persist.state.schema import conform_updates
+from pyspark_persist.state.stats import PartStats, _column_bounds, part_ref
 
 SCHEMA = pa.schema(
     [("id", pa.int64()), ("x", pa.float64()), ("name", pa.string()), ("flag", pa.bool_())]
@@ -414,6 +416,37 @@ def test_unknown_or_garbled_format_is_corrupt_data(client: Any) -> None:
         list(iter_part_batches(data, replace(part, fmt=PARQUET), shard.machine.shard_id))
 
 
+@pytest.mark.parametrize("fmt", PART_FORMATS)
+def test_every_part_format_keeps_the_builders_contract(client: Any, fmt: str) -> None:
+    """Whatever the format's strategy: a tiny write rides inline (nothing in Blob); a larger
+    one becomes parts of that format near part_target_bytes, every update once, read back as
+    written; a builder aborted mid-write leaves nothing in Blob; a finished one takes no more."""
+    shard = client.open_shard(f"contract-{fmt}", SCHEMA)
+    prefix = f"{shard.machine.shard_id}/"
+    tiny = builder_for(client, shard, fmt)
+    tiny.add(rows(2))
+    assert [p.inline is not None for p in tiny.finish().parts] == [True]
+    assert not list(client.blob.list_keys(prefix))
+    big = builder_for(client, shard, fmt)
+    for i in range(40):
+        big.add(rows(100, i * 100))
+    staged = big.finish()
+    target = client.config.part_target_bytes
+    assert len(staged.parts) > 3 and sum(p.rows for p in staged.parts) == 4000
+    assert all(p.key and p.fmt == fmt and p.size_bytes < 2 * target for p in staged.parts)
+    with pytest.raises(InvalidUsage, match="already finished"):
+        big.add(rows(1))
+    aborted = builder_for(client, shard, fmt)
+    for i in range(40):
+        aborted.add(rows(100, i * 100))
+    aborted.abort()
+    left = sorted(m.key for m in client.blob.list_keys(prefix))
+    assert left == sorted(p.key for p in staged.parts)
+    shard.writer().compare_and_append_batches([staged], 0, 1, ts_rewrite=0)
+    expected = as_counter(rows(4000).append_column(DIFF, pa.repeat(1, 4000)))
+    assert as_counter(shard.reader().snapshot_table(0)) == expected
+
+
 def test_builder_refuses_an_unknown_format(client: Any) -> None:
     """The builder names the formats it can write."""
     with pytest.raises(InvalidUsage, match="arrow"):
@@ -445,7 +478,7 @@ def test_snapshot_shaping_sets_every_time_to_as_of_after_a_rewrite(client: Any) 
     as_of; a negated one reads with its diffs negated; a listen keeps the rewritten times."""
     from dataclasses import replace
 
-    from pyspark_persist.state.parts import shape_updates
+    from pyspark_persist.state.updates import shape_updates
 
     shard = client.open_shard("shape", SCHEMA)
     part = replace(stage(client, shard, [rows(100)], ARROW).parts[0], ts_rewrite=7)
@@ -755,7 +788,8 @@ def test_staging_a_part_imports_no_pandas() -> None:
 import sys
 import numpy as np
 import pyarrow as pa
-from pyspark_persist.state.parts import PartStats, TIME, DIFF
+from pyspark_persist.state import DIFF, TIME
+from pyspark_persist.state.stats import PartStats
 n = 70000
 ids = np.arange(n, dtype=np.int64)
 table = pa.Table.from_arrays(
@@ -788,9 +822,9 @@ def test_committing_and_reading_sink_parts_import_no_pandas() -> None:
 import sys
 import numpy as np
 import pyarrow as pa
-from pyspark_persist.state import PersistClient, PersistConfig, iter_parts
-from pyspark_persist.state.parts import ARROW, LeasedPart
-from pyspark_persist.state.write import BatchBuilder
+from pyspark_persist.state import (
+    ARROW, BatchBuilder, LeasedPart, PersistClient, PersistConfig, iter_parts
+)
 config = PersistConfig(maintenance=False)
 client = PersistClient.open("mem://nopandas", "mem://nopandas", config=config)
 schema = pa.schema([("id", pa.int64())])
@@ -825,9 +859,7 @@ def test_compacting_insert_only_parts_keeps_every_row_and_imports_no_pandas() ->
 import sys
 import numpy as np
 import pyarrow as pa
-from pyspark_persist.state import PersistClient, PersistConfig
-from pyspark_persist.state.parts import ARROW
-from pyspark_persist.state.write import BatchBuilder
+from pyspark_persist.state import ARROW, BatchBuilder, PersistClient, PersistConfig
 config = PersistConfig(compaction_fan_in=2, maintenance=False)
 client = PersistClient.open("mem://compact-np", "mem://compact-np", config=config)
 schema = pa.schema([("id", pa.int64())])

@@ -12,8 +12,8 @@ from types import MappingProxyType
 import pytest
 
 from pyspark_persist.state.errors import InvalidUsage
-from pyspark_persist.state.parts import LeasedPart
 from pyspark_persist.state.planning import (
+    LeasedPart,
     ReadLimits,
     limited_upper,
     plan_read,

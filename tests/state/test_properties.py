@@ -19,10 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig, consolidate
 from pyspark_persist.state.diff import DiffBuilder, decode, encode, full_diff
 from pyspark_persist.state.errors import CorruptData, PersistError
-from pyspark_persist.state.parts import DIFF, TIME, consolidate
 from pyspark_persist.state.state import (
     EMPTY_STATE,
     Batch,

@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 from key_helpers import SCHEMA, counts, updates
 
-from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state import PersistClient, PersistConfig, ReadHandle
 from pyspark_persist.state import maintenance as maintenance_module
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
@@ -135,3 +135,33 @@ def test_long_maintenance_does_not_starve_heartbeats() -> None:
         release.set()
         client.close()
         stack.close()
+
+
+def test_a_lease_registered_elsewhere_is_heartbeat_by_reader_id_until_it_is_gone() -> None:
+    """A process holding no ReadHandle (a task of a Spark batch read) extends the lease its
+    planner registered through Shard.heartbeat_reader: the reader's heartbeat time and SeqNo
+    hold move in the shared state. Once the reader is gone (closed, or expired) the heartbeat
+    answers False and brings nothing back."""
+    tag = uuid.uuid4().hex
+    planner, task = client_on(tag, CONFIG), client_on(tag, CONFIG)
+    try:
+        shard = planner.open_shard("beat", SCHEMA)
+        shard.writer().compare_and_append(updates([1], 0), 0, 1)
+        reader = ReadHandle(shard.machine)  # as a batch read's planner: no heartbeat thread
+        seqno = shard.state().seqno
+        remote = task.open_shard("beat", create=False)
+        later = reader_state(shard, reader.reader_id).last_heartbeat_ms + 60_000
+        assert remote.heartbeat_reader(reader.reader_id, seqno=seqno, now_ms=later)
+        held = reader_state(shard, reader.reader_id)
+        assert (held.last_heartbeat_ms, held.seqno) == (later, seqno)
+        reader.close()
+        assert not remote.heartbeat_reader(reader.reader_id, seqno=seqno, now_ms=later + 1)
+        assert reader.reader_id not in shard.state().leased_readers
+    finally:
+        planner.close()
+        task.close()
+
+
+def reader_state(shard: Any, reader_id: str) -> Any:
+    """The leased reader's entry in the shard's newest state."""
+    return shard.state().leased_readers[reader_id]

@@ -15,13 +15,12 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.state import PersistClient, PersistConfig
+from pyspark_persist.state import DIFF, PersistClient, PersistConfig
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.commands import Committed
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.diff import encode, full_diff
-from pyspark_persist.state.parts import DIFF
 from pyspark_persist.state.state import ShardState
 
 SCHEMA = pa.schema([("k", pa.int64())])

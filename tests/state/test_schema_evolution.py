@@ -12,14 +12,23 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.state import AlreadyCommitted, Committed, PersistClient, UpperMismatch
+from pyspark_persist.state import (
+    DIFF,
+    TIME,
+    AlreadyCommitted,
+    Committed,
+    LeasedPart,
+    PersistClient,
+    UpperMismatch,
+    decode_schema,
+)
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.config import PersistConfig
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.errors import SchemaMismatch
-from pyspark_persist.state.parts import DIFF, MAX_TIME, TIME, LeasedPart, decode_schema
 from pyspark_persist.state.read import iter_parts
+from pyspark_persist.state.schema import MAX_TIME
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])

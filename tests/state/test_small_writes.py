@@ -9,9 +9,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.state import DIFF, TIME, PersistClient, PersistConfig
-from pyspark_persist.state.parts import encode_inline
-from pyspark_persist.state.write import BatchBuilder
+from pyspark_persist.state import DIFF, TIME, BatchBuilder, PersistClient, PersistConfig
+from pyspark_persist.state.codec import encode_inline
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
 
@@ -147,7 +146,7 @@ def test_trace_and_inline_bytes_carried_through_commits_equal_recomputed() -> No
 def test_parquet_parts_stream_to_blob_in_pieces_and_read_back(tmp_path: Path) -> None:
     """A staged Parquet part goes to Blob page by page as it is encoded, never as one whole
     encoded copy in memory; its recorded size and checksum are the stored file's."""
-    from pyspark_persist.state.parts import part_checksum
+    from pyspark_persist.state.codec import part_checksum
 
     writes: list[int] = []
     config = PersistConfig(part_target_bytes=8 << 20, maintenance=False)

@@ -18,7 +18,7 @@ machine-readable output). It measures, on this machine and in this run:
   only by polling Consensus (as another process would without PubSub). The
   same-client figure (in-process wake-up) is reported on its own row.
 - **Throughput**: write goodput (Arrow bytes of user rows / wall time of
-  staging with a :class:`~pyspark_persist.state.write.BatchBuilder` and
+  staging with a :class:`~pyspark_persist.state.BatchBuilder` and
   committing) and snapshot-read goodput (streaming every part), each next to
   raw pyarrow Parquet doing the same work on the same rows in the same run
   (``pq.ParquetWriter``, snappy, then one ``fsync`` since persist's parts are

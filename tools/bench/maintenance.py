@@ -39,8 +39,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pyspark_persist.state import Committed, PersistClient, PersistConfig
-from pyspark_persist.state.parts import DIFF, TIME
+from pyspark_persist.state import DIFF, TIME, Committed, PersistClient, PersistConfig
 from pyspark_persist.tools.bench import step
 from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 

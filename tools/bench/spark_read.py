@@ -131,9 +131,7 @@ def generate(rows: int, start: int) -> pa.Table:
 
 def write_data(opts: SparkReadOptions, home: str, parquet_dir: str) -> tuple[int, int]:
     """Write the same rows to both shards and to Parquet files; (rows, Arrow bytes)."""
-    from pyspark_persist.state import PersistClient, PersistConfig
-    from pyspark_persist.state.parts import ARROW_ROWS
-    from pyspark_persist.state.write import BatchBuilder
+    from pyspark_persist.state import ARROW_ROWS, BatchBuilder, PersistClient, PersistConfig
 
     config = PersistConfig(part_target_bytes=opts.part_mib * MiB, maintenance=False)
     client = PersistClient.open(
