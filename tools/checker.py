@@ -144,6 +144,7 @@ from pyspark_persist.state.logs import configure as configure_logs
 from pyspark_persist.state.parts import DIFF, TIME
 from pyspark_persist.state.registry import blob_kind, consensus_kind
 from pyspark_persist.state.unreliable import (
+    BLOB_OPS,
     FAULT_KINDS,
     Faults,
     UnreliableBlob,
@@ -391,7 +392,11 @@ def reliable_client(loc: Location) -> PersistClient:
     )
 
 
-def default_faults(seed: int, *, reader: bool = False) -> tuple[Faults, Faults]:
+StoreFaults = tuple[Faults, Faults]
+"""(Blob faults, Consensus faults) of one client."""
+
+
+def default_faults(seed: int, *, reader: bool = False) -> StoreFaults:
     """(blob, consensus) faults of one client: frequent enough to hit every retry path.
 
     A reader's snapshot fetches every part, so its Blob faults are rarer: at the writers'
@@ -429,7 +434,10 @@ def worker_config(rng: random.Random) -> PersistConfig:
 
 
 class FaultyClient:
-    """A client on its own cache over fault-injecting wrappers of a location's stores."""
+    """A client on its own cache over fault-injecting wrappers of a location's stores.
+
+    ``faults`` replaces :func:`default_faults` (of ``seed`` and ``reader``).
+    """
 
     def __init__(
         self,
@@ -439,8 +447,9 @@ class FaultyClient:
         sabotage: Sabotage | None = None,
         *,
         reader: bool = False,
+        faults: StoreFaults | None = None,
     ) -> None:
-        blob_faults, cons_faults = default_faults(seed, reader=reader)
+        blob_faults, cons_faults = faults or default_faults(seed, reader=reader)
         blob_cls = UnreliableBlob if sabotage is None else sabotage.blob
         if sabotage is not None and sabotage.writer_config is not None:
             config = sabotage.writer_config(config)
@@ -1042,6 +1051,9 @@ class Context:
     clients: list[FaultyClient] = field(default_factory=list)
     records: list[WriteRecord] = field(default_factory=list)
     """Every writer's records of the main shard (verified after the workload)."""
+    shards: list[str] = field(default_factory=list)
+    """Every shard of the run, the main one first: a piece's setup adds the ones it
+    creates, and the maintenance piece collects the garbage of all of them."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -1061,15 +1073,27 @@ class Context:
         reader: bool = False,
         sabotaged: bool = False,
         config: Callable[[PersistConfig], PersistConfig] | None = None,
+        faults: Callable[[StoreFaults], StoreFaults] | None = None,
     ) -> FaultyClient:
         """A new client with faults (off until it calls ``enable``) seeded by ``name``; its
         faults are counted in the report and it is closed after the run. ``sabotaged``: it
-        gets the sabotage's writer hooks. ``config`` changes its :func:`worker_config`."""
+        gets the sabotage's writer hooks. ``config`` changes its :func:`worker_config`,
+        ``faults`` its :func:`default_faults`."""
         seed = self.seed_for(name)
         cfg = worker_config(random.Random(seed))
         if config is not None:
             cfg = config(cfg)
-        fc = FaultyClient(self.loc, seed, cfg, self.sabotage if sabotaged else None, reader=reader)
+        store_faults = default_faults(seed, reader=reader)
+        if faults is not None:
+            store_faults = faults(store_faults)
+        fc = FaultyClient(
+            self.loc,
+            seed,
+            cfg,
+            self.sabotage if sabotaged else None,
+            reader=reader,
+            faults=store_faults,
+        )
         with self._lock:
             self.clients.append(fc)
         return fc
@@ -1199,6 +1223,25 @@ class ProcessWriter(Piece):
         rec.op("writer_processes")
 
 
+def recent_as_of(reader: Any, latest: int, rng: random.Random, rec: Recorder) -> int | None:
+    """Downgrade ``reader``'s since to a random time at most two windows below ``latest``,
+    then pick a random as_of at most a window below it and at or after the since the reader
+    now has (None: that since is past ``latest``).
+
+    The since comes after the downgrade: it may be past the one asked for (an earlier
+    downgrade whose reply was lost landed), and no read may go below it.
+    """
+    lo = reader.since
+    if lo < latest:
+        with contextlib.suppress(Determinate, Indeterminate):
+            reader.downgrade_since(rng.randint(max(lo, latest - 2 * SNAPSHOT_WINDOW), latest))
+            rec.op("since_downgrades")
+    lo = reader.since
+    if lo > latest:
+        return None
+    return rng.randint(max(lo, latest - SNAPSHOT_WINDOW), latest)
+
+
 class SnapshotReader(Piece):
     """Snapshots of the main shard at random recent times, each compared with the history.
 
@@ -1228,19 +1271,11 @@ class SnapshotReader(Piece):
             if latest + 1 < last_upper:
                 rec.violation(f"{who}: upper went back from {last_upper} to {latest + 1}")
             last_upper = max(last_upper, latest + 1)
-            lo = reader.since
-            if lo < latest:
-                with contextlib.suppress(Determinate, Indeterminate):
-                    reader.downgrade_since(r.randint(max(lo, latest - 2 * SNAPSHOT_WINDOW), latest))
-                    ctx.history.hold(who, reader.since)
-                    rec.op("since_downgrades")
-            # After the downgrade: it may return a since past the one asked for (an earlier
-            # downgrade whose reply was lost landed), and no read may go below it.
-            lo = reader.since
-            if lo > latest:
+            as_of = recent_as_of(reader, latest, r, rec)
+            ctx.history.hold(who, reader.since)
+            if as_of is None:
                 time.sleep(0.005)
                 continue
-            as_of = r.randint(max(lo, latest - SNAPSHOT_WINDOW), latest)
             table = self._snapshot(reader, as_of)
             if table is not None:
                 rec.op("snapshots")
@@ -1350,10 +1385,24 @@ class Listener:
 # --- the fault menu ---------------------------------------------------------------------------
 
 
+def _deletes_never_fail(faults: StoreFaults) -> StoreFaults:
+    """Faults on every Blob operation but delete (and every Consensus one)."""
+    blob, consensus = faults
+    return dataclasses.replace(blob, ops=BLOB_OPS - {"delete"}), consensus
+
+
 class Maintainer(Piece):
-    """Compaction and GC (with the orphan sweep) in a loop, and a second compactor racing
+    """Compaction of the main shard and GC (with the orphan sweep) of every shard of the
+    run in a loop, and a second compactor racing
     into the window of every lost compare-and-set reply of this client: it merges the
-    merge that may just have landed (concatenating part lists, so state keeps its parts)."""
+    merge that may just have landed (concatenating part lists, so state keeps its parts).
+
+    Its Blob never fails a delete (every other client's does): a GC pass deletes the
+    garbage of every diff since Consensus was last truncated, all again, and ends at the
+    first failed delete before it truncates, so under every client's delete faults GC
+    stops finishing once that list outgrows a few dozen parts, and state, Consensus and
+    every GC pass grow without end.
+    """
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx, "maintenance")
@@ -1363,7 +1412,11 @@ class Maintainer(Piece):
         ctx, rec = self.ctx, self.ctx.rec
         # Retrying (not failing at once) after a lost reply is what reaches compaction's
         # cleanup after an unknown outcome.
-        fc = ctx.client(self.name, config=lambda c: dataclasses.replace(c, retry_timeout_s=0.3))
+        fc = ctx.client(
+            self.name,
+            config=lambda c: dataclasses.replace(c, retry_timeout_s=0.3),
+            faults=_deletes_never_fail,
+        )
         racer = ctx.client(  # its faults stay off
             f"{self.name}-racer",
             config=lambda c: dataclasses.replace(c, compaction_memory_bytes=1, compaction_fan_in=2),
@@ -1371,6 +1424,7 @@ class Maintainer(Piece):
         r = random.Random(ctx.seed_for(self.name))
         shard = fc.client.open_shard(ctx.shard_name)
         racer_shard = racer.client.open_shard(ctx.shard_name)
+        collected = {name: fc.client.open_shard(name) for name in ctx.shards}
 
         def race() -> None:
             if ctx.stop.is_set():
@@ -1388,14 +1442,14 @@ class Maintainer(Piece):
                 if r.random() < 0.6:
                     rec.op("compactions", len(shard.compact()))
                 else:
-                    shard.gc()  # with the orphan sweep
+                    collected[r.choice(ctx.shards)].gc()  # with the orphan sweep
                     rec.op("gcs")
             except PartNotFound as e:
                 # A compaction that lost its race to GC says so (applied=False); a missing
                 # part of batches still in state is lost data.
                 rec.violation(f"maintenance: compaction found a committed part missing: {e}")
-            except PersistError:
-                rec.op("maintenance_errors")
+            except PersistError as e:
+                rec.op("maintenance_errors_" + type(e).__name__)
             ctx.stop.wait(r.uniform(0.01, 0.1))
         fc.consensus.on_lost_reply = None
 
@@ -1438,10 +1492,12 @@ class Replacer(Piece):
         """Per replace snapshot: (as_of, the one write it shows, or None)."""
 
     def setup(self) -> None:
-        """Create the shard with an empty batch [0, 1), so every snapshot has a time."""
+        """Create the shard (with the main shard's retention, so its reader's since keeps it
+        small) and an empty batch [0, 1), so every snapshot has a time."""
         with reliable_client(self.ctx.loc) as setup:
-            shard = setup.open_shard(self.shard_name, SCHEMA)
+            shard = setup.open_shard(self.shard_name, SCHEMA, retention_ms=RETENTION_MS)
             shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+        self.ctx.shards.append(self.shard_name)
 
     def loops(self) -> dict[str, Callable[[], None]]:
         """The replacing writer and its reader."""
@@ -1500,7 +1556,9 @@ class Replacer(Piece):
         while not ctx.stop.is_set():
             try:
                 latest = reader.latest_as_of()
-                as_of = r.randint(min(reader.since, latest), latest)
+                as_of = recent_as_of(reader, latest, r, rec)
+                if as_of is None:
+                    continue
                 table = reader.snapshot_table(as_of)
             except PartNotFound as e:
                 rec.violation(f"replace-reader: leased snapshot failed: {e}")
@@ -1515,9 +1573,6 @@ class Replacer(Piece):
                 )
             self.seen.append((as_of, max(keys) if keys else None))
             rec.op("replace_snapshots")
-            if r.random() < 0.3:
-                with contextlib.suppress(Determinate, Indeterminate):
-                    reader.downgrade_since(r.randint(reader.since, as_of))
             time.sleep(r.uniform(0, 0.01))
         with contextlib.suppress(PersistError):
             reader.close()
@@ -1631,6 +1686,7 @@ def run(
         duration_s=duration_s,
         sabotage_name=sabotage,
     )
+    ctx.shards.append(ctx.shard_name)
     started = time.monotonic()
     try:
         with ctx.sabotage.patch() if ctx.sabotage else contextlib.nullcontext():
