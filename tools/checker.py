@@ -718,7 +718,7 @@ class Writer:
             record.candidates.append(upper)
             op("write_attempts")
             try:
-                res = self._attempt(data, upper, new_upper)
+                res = self._attempt(data, upper, new_upper, stopped)
             except (Determinate, Indeterminate) as e:
                 record.errors += 1
                 op("write_errors_" + type(e).__name__)
@@ -763,15 +763,18 @@ class Writer:
             return
 
     def _attempt(
-        self, data: pa.Table, upper: int, new_upper: int
+        self, data: pa.Table, upper: int, new_upper: int, stopped: Callable[[], bool]
     ) -> Committed | UpperMismatch | AlreadyCommitted:
-        """One compare-and-append of ``data`` at ``upper`` (staged first, then slowly, if slow)."""
+        """One compare-and-append of ``data`` at ``upper``; if slow, staged first and committed
+        later (at once when the run has stopped: its last write need not wait)."""
         if not self.slow_stage_s:
             return self.handle.compare_and_append(data, upper, new_upper, token=self.token)
         builder = self.handle.builder()
         builder.add(data)
         staged = builder.finish()
-        time.sleep(self.rng.uniform(0, self.slow_stage_s))
+        pause_until = time.monotonic() + self.rng.uniform(0, self.slow_stage_s)
+        while not stopped() and time.monotonic() < pause_until:
+            time.sleep(min(0.05, max(0.0, pause_until - time.monotonic())))
         return self.handle.compare_and_append_batches(
             [staged], upper, new_upper, token=self.token, ts_rewrite=upper
         )
@@ -1414,7 +1417,8 @@ class Maintainer(Piece):
         # cleanup after an unknown outcome.
         fc = ctx.client(
             self.name,
-            config=lambda c: dataclasses.replace(c, retry_timeout_s=0.3),
+            reader=True,  # a compaction reads every part of its batches, as a snapshot does
+            config=lambda c: dataclasses.replace(c, retry_timeout_s=2.0),
             faults=_deletes_never_fail,
         )
         racer = ctx.client(  # its faults stay off
