@@ -24,11 +24,10 @@ replies, refused calls, timeouts, slowness). The core of every run:
   (``write_key * 1024 + k``) and a write's size is a function of its key, so
   exactness is checkable row by row. Each write also *retracts* (diff -1)
   the rows of the writer's oldest live write once it has ``LIVE_WRITES``:
-  the shard's contents stay bounded while its history grows, so reads and
-  checks cost the same at the millionth write as at the tenth;
+  the shard's contents stay bounded while its history grows;
 - **snapshot readers** (:class:`SnapshotReader`): snapshots at random
-  ``as_of`` between their since and the upper, each followed by a downgrade
-  of their since to it, so since keeps up with the upper;
+  recent ``as_of`` (at most ``SNAPSHOT_WINDOW`` below the upper), each after
+  a downgrade of their since, so since keeps up with the upper;
 - **one listen** from the start of the shard (:class:`Listener`): the
   reference history (:class:`History`). It records each write's time (and
   its retraction's), and its reader holds since just below its frontier
@@ -36,15 +35,19 @@ replies, refused calls, timeouts, slowness). The core of every run:
 
 The shard has a retention period (1 ms, on times that are write numbers):
 since follows the lowest reader hold, and compaction folds everything
-below it into the contents at since, so the shard stays small.
+below it into the contents at since, so the shard stays small. So does the
+model: :class:`History` answers "what did the shard hold at ``as_of``" from
+the writes live now and the events after the readers' lowest since. A
+check therefore costs the same at the hundred-thousandth operation as at
+the first, and a run keeps its rate for as long as it runs.
 
 And the fault menu (:data:`FAULTS`; ``--faults`` picks some, by default
 all run), each a named :class:`Piece`:
 
-- ``maintenance`` (:class:`Maintainer`): ``compact()`` (fan-in 2-4) and
-  ``gc()`` with the orphan sweep in a loop, on top of the clients' own
-  background maintenance (small ``gc_interval``). Every lost
-  compare-and-set reply of this client runs another compaction
+- ``maintenance`` (:class:`Maintainer`): ``compact()`` (fan-in 2-4) of the
+  main shard and ``gc()`` with the orphan sweep of every shard in a loop, on
+  top of the clients' own background maintenance (small ``gc_interval``).
+  Every lost compare-and-set reply of this client runs another compaction
   (concatenating part lists) into the window before the reply is reported:
   the race in which compaction once deleted a merge that had landed and been
   merged again;
@@ -77,10 +80,12 @@ What is checked (each failure is a *violation* with details):
 
 Adding a fault kind: write a :class:`Piece` (its loops, a reliable
 :meth:`~Piece.setup`, a :meth:`~Piece.verify`; it gets clients, seeds, the
-model and the recorder from the :class:`Context`) and add it to
-:data:`FAULTS`. A deliberate bug to prove it is caught is one
-:class:`Sabotage` entry in :data:`SABOTAGE` (the CI test runs every entry
-and expects one of its ``caught_by`` texts among the violations).
+model and the recorder from the :class:`Context`, and adds any shard it
+creates to ``ctx.shards`` for the maintenance piece to collect) and add it
+to :data:`FAULTS`. A deliberate bug to prove it is caught is one
+:class:`Sabotage` entry in :data:`SABOTAGE`: a ``patch`` that puts the bug
+in, and the violation texts that show it (the CI test runs every entry and
+expects one of its ``caught_by`` texts among the violations).
 
 Reproducibility: the seed fixes every random choice (the fault sequence of
 every store wrapper, write sizes, abandon decisions, as_of choices, pauses);
@@ -142,6 +147,7 @@ from pyspark_persist.state.errors import (
 )
 from pyspark_persist.state.logs import configure as configure_logs
 from pyspark_persist.state.parts import DIFF, TIME
+from pyspark_persist.state.read import ListenEvent, ReadHandle
 from pyspark_persist.state.registry import blob_kind, consensus_kind
 from pyspark_persist.state.unreliable import (
     BLOB_OPS,
@@ -344,9 +350,9 @@ SABOTAGE: dict[str, Sabotage] = {
         caught_by=("missing from blob",),
         blob=LossyBlob,
     ),
-    # The old cleanup loses data only when a lost reply meets a racing merge and a reader
-    # then reads the deleted parts: about every second 15 s run shows it (by thread timing),
-    # so it gets six seeds and must be caught by one (all six missing it: about 1 in 64).
+    # The old cleanup loses data only when a lost reply of the maintenance client's merge
+    # meets the racing merge: by thread timing, 21 of 24 15 s runs (seeds 303-314, twice)
+    # showed it, so it gets six seeds and must be caught by one.
     "delete_after_unknown": Sabotage(
         "compaction's cleanup as it once was: a refused merge deletes its parts "
         "even after a lost reply, when the merge may have landed and been merged again",
@@ -1226,7 +1232,7 @@ class ProcessWriter(Piece):
         rec.op("writer_processes")
 
 
-def recent_as_of(reader: Any, latest: int, rng: random.Random, rec: Recorder) -> int | None:
+def recent_as_of(reader: ReadHandle, latest: int, rng: random.Random, rec: Recorder) -> int | None:
     """Downgrade ``reader``'s since to a random time at most two windows below ``latest``,
     then pick a random as_of at most a window below it and at or after the since the reader
     now has (None: that since is past ``latest``).
@@ -1288,7 +1294,7 @@ class SnapshotReader(Piece):
         with contextlib.suppress(PersistError):
             reader.close()
 
-    def _snapshot(self, reader: Any, as_of: int) -> pa.Table | None:
+    def _snapshot(self, reader: ReadHandle, as_of: int) -> pa.Table | None:
         """The snapshot at ``as_of``; None after an error (counted, or a violation)."""
         rec, who = self.ctx.rec, self.name
         try:
@@ -1371,7 +1377,7 @@ class Listener:
         with contextlib.suppress(PersistError):
             reader.close()
 
-    def _fetch(self, event: Any) -> pa.Table | None:
+    def _fetch(self, event: ListenEvent) -> pa.Table | None:
         """The event's updates, retrying store errors; None (a violation) if a part is gone."""
         while True:
             try:
@@ -1418,7 +1424,7 @@ class Maintainer(Piece):
         fc = ctx.client(
             self.name,
             reader=True,  # a compaction reads every part of its batches, as a snapshot does
-            config=lambda c: dataclasses.replace(c, retry_timeout_s=2.0),
+            config=lambda c: dataclasses.replace(c, retry_timeout_s=1.5),
             faults=_deletes_never_fail,
         )
         racer = ctx.client(  # its faults stay off
