@@ -846,13 +846,14 @@ class History:
     """The reference: what the listen saw, and the collection it implies at recent times.
 
     The listen is the one witness of every write, including those retracted and
-    compacted away since. Memory and cost stay bounded by the shard's contents,
-    not its history: it keeps one (insert time, retraction time) pair per write,
-    the writes live at the frontier, and the events after the *floor*, the
-    lowest time a snapshot may still be compared at (every snapshot reader
-    :meth:`hold`\\ s its since; pending snapshots hold theirs). The collection
-    at ``as_of`` is the live writes with the events after ``as_of`` undone:
-    O(live writes + events after as_of) per check.
+    compacted away since. What a check costs is bounded by the shard's contents,
+    not its history: it keeps one insert time and one retraction time per write
+    (for the final verification), the writes live at the frontier, and the
+    events after the *floor*, the lowest time a snapshot may still be compared
+    at (each snapshot reader holds its since with :meth:`hold`; a pending
+    snapshot holds its own time). The collection at ``as_of`` is the live
+    writes with the events after ``as_of`` undone: O(live writes + events
+    after as_of) per check.
     """
 
     def __init__(self, rec: Recorder) -> None:
@@ -890,48 +891,13 @@ class History:
 
     def add_event(self, lower: int, upper: int, table: pa.Table) -> None:
         """Check one listen event's updates and add them to the history."""
-        rec = self._rec
         if lower != self.frontier or upper <= lower:
-            rec.violation(
+            self._rec.violation(
                 f"listen: event [{lower}, {upper}) does not follow frontier {self.frontier}"
             )
-        sums: collections.Counter[tuple[int, int]] = collections.Counter()
-        for v, t, d in zip(
-            table.column("v").to_pylist(),
-            table.column(TIME).to_pylist(),
-            table.column(DIFF).to_pylist(),
-            strict=True,
-        ):
-            sums[(v, t)] += d
-        rows: collections.Counter[tuple[int, int, int]] = collections.Counter()
-        for (v, t), d in sums.items():
-            if d not in (0, 1, -1):
-                rec.violation(
-                    f"listen: row {v} (write {key_of(v)}) has diff {d} at time {t} in event "
-                    f"[{lower}, {upper})"
-                )
-            if d != 0:
-                rows[(key_of(v), t, 1 if d > 0 else -1)] += 1
-        times: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
-        for (key, t, sign), n in rows.items():
-            what = "write" if sign > 0 else "retraction of write"
-            if n != write_size(key):
-                rec.violation(
-                    f"listen: {what} {key} appears partially ({n} of {write_size(key)} rows) "
-                    f"at time {t}"
-                )
-            if not lower <= t < upper:
-                rec.violation(f"listen: {what} {key} at time {t} outside event [{lower}, {upper})")
-            times[(key, sign)].append(t)
-        new = []
-        for (key, sign), ts in times.items():
-            if len(ts) != 1:
-                what = "write" if sign > 0 else "retraction of write"
-                rec.violation(f"listen: {what} {key} appears at several times {sorted(ts)}")
-            new.append((min(ts), sign, key))
-        new.sort()
+        changes = event_changes(lower, upper, table, self._rec)
         with self._lock:
-            for t, sign, key in new:
+            for t, sign, key in changes:
                 self._apply(t, sign, key)
             self.frontier = max(self.frontier, upper)
             self._trim()  # before the due snapshots leave the pending list: they hold the floor
@@ -939,6 +905,11 @@ class History:
             self._pending = [p for p in self._pending if p[0] >= self.frontier]
         for as_of, keys, who in due:
             self._compare(as_of, keys, who)
+
+    def skip(self, upper: int) -> None:
+        """Move the frontier past an event that could not be read (a violation already)."""
+        with self._lock:
+            self.frontier = max(self.frontier, upper)
 
     def _apply(self, t: int, sign: int, key: int) -> None:
         """Add one write's insertion (``sign`` 1) or retraction (-1) at ``t`` (lock held)."""
@@ -1019,6 +990,51 @@ class History:
                 f"{missing[:10]}{'...' if len(missing) > 10 else ''} ({len(missing)}), extra "
                 f"{extra[:10]}{'...' if len(extra) > 10 else ''} ({len(extra)})"
             )
+
+
+def event_changes(
+    lower: int, upper: int, table: pa.Table, rec: Recorder
+) -> list[tuple[int, int, int]]:
+    """The writes a listen event inserts and retracts: (time, +1 or -1, write), in time order.
+
+    Each must be whole (every row of the write), at one time inside the event;
+    every row's diffs at a time sum to 1, -1 or 0 (0: nothing to record).
+    """
+    sums: collections.Counter[tuple[int, int]] = collections.Counter()
+    for v, t, d in zip(
+        table.column("v").to_pylist(),
+        table.column(TIME).to_pylist(),
+        table.column(DIFF).to_pylist(),
+        strict=True,
+    ):
+        sums[(v, t)] += d
+    rows: collections.Counter[tuple[int, int, int]] = collections.Counter()
+    for (v, t), d in sums.items():
+        if d not in (0, 1, -1):
+            rec.violation(
+                f"listen: row {v} (write {key_of(v)}) has diff {d} at time {t} in event "
+                f"[{lower}, {upper})"
+            )
+        if d != 0:
+            rows[(key_of(v), t, 1 if d > 0 else -1)] += 1
+    times: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for (key, t, sign), n in rows.items():
+        what = "write" if sign > 0 else "retraction of write"
+        if n != write_size(key):
+            rec.violation(
+                f"listen: {what} {key} appears partially ({n} of {write_size(key)} rows) "
+                f"at time {t}"
+            )
+        if not lower <= t < upper:
+            rec.violation(f"listen: {what} {key} at time {t} outside event [{lower}, {upper})")
+        times[(key, sign)].append(t)
+    changes = []
+    for (key, sign), ts in times.items():
+        if len(ts) != 1:
+            what = "write" if sign > 0 else "retraction of write"
+            rec.violation(f"listen: {what} {key} appears at several times {sorted(ts)}")
+        changes.append((min(ts), sign, key))
+    return sorted(changes)
 
 
 def snapshot_keys(table: pa.Table, who: str, as_of: int, rec: Recorder) -> frozenset[int]:
@@ -1366,7 +1382,7 @@ class Listener:
                 continue
             table = self._fetch(event)
             if table is None:
-                history.frontier = max(history.frontier, event.upper)
+                history.skip(event.upper)
                 continue
             rec.op("listen_events")
             history.add_event(event.lower, event.upper, table)
