@@ -7,59 +7,91 @@ for as long as you like::
 
     python -m pyspark_persist.tools.checker --seconds 3600 --backend file-sqlite --processes 2
     python -m pyspark_persist.tools.checker --seed 1234 --seconds 30     # replay a seed
+    python -m pyspark_persist.tools.checker --ops 100000 --seconds 1800 --progress 60
 
-What runs, all at once, each client on its own state cache and its own
-seeded :class:`~pyspark_persist.state.unreliable.UnreliableBlob` /
-:class:`~pyspark_persist.state.unreliable.UnreliableConsensus` (lost
-replies, refused calls, timeouts, slowness):
+What runs, all at once, each piece on its own client (own state cache, own
+seeded :class:`~pyspark_persist.state.unreliable.UnreliableBlob` and
+:class:`~pyspark_persist.state.unreliable.UnreliableConsensus`: lost
+replies, refused calls, timeouts, slowness). The core of every run:
 
-- **writers** (threads, and optionally spawned processes): each owns a
-  writer id and appends numbered writes with ``compare_and_append`` and
-  explicit tokens (token = write number), retrying errors and upper
-  mismatches with the same token, so a lost reply resolves to
-  ``AlreadyCommitted`` or a re-commit. Sometimes a writer *abandons* a write
-  after an error and moves on, so unacknowledged writes exist too. Every row
-  value is unique (``write_key * 1024 + k``) and a write's size is a
-  function of its key, so exactness is checkable row by row;
-- **snapshot readers**: snapshots at random ``as_of`` in ``[since, upper)``,
-  downgrading their since as they go so compaction can advance times;
-- **one listen** from the start of the shard, the reference history: it
-  records each write's time, and its reader holds since just below its
-  frontier (what a real consumer does);
-- **maintenance**: ``compact()`` (fan-in 2-4) and ``gc()`` with the orphan
-  sweep in a loop, on top of the clients' own background maintenance (small
-  ``gc_interval``). Every lost compare-and-set reply of this client runs
-  another compaction (concatenating part lists) into the window before the
-  reply is reported: the race in which compaction once deleted a merge that
-  had landed and been merged again;
-- **a slow writer**: stages its parts in Blob, waits up to 3/4 of the
-  orphan sweep's short grace (``GRACE_S``), then commits, so the sweep races
-  it and commits meet ``StagedPartsExpired`` (then it stages again);
-- **a replacer and its reader** on a second shard: every write replaces
-  the shard's contents; snapshots at random ``as_of`` must show exactly one
-  write, never an older one than was acknowledged by then, and the state
-  must hold only a few part references per replace.
+- **writers** (:class:`WriterPiece` threads, and optionally
+  :class:`ProcessWriter` processes), each a :class:`Writer`: it owns a writer
+  id and appends numbered writes with ``compare_and_append`` and explicit
+  tokens (token = write number), retrying errors and upper mismatches with
+  the same token, so a lost reply resolves to ``AlreadyCommitted`` or a
+  re-commit. Sometimes it *abandons* a write after an error and moves on, so
+  unacknowledged writes exist too. Every row value is unique
+  (``write_key * 1024 + k``) and a write's size is a function of its key, so
+  exactness is checkable row by row. Each write also *retracts* (diff -1)
+  the rows of the writer's oldest live write once it has ``LIVE_WRITES``:
+  the shard's contents stay bounded while its history grows;
+- **snapshot readers** (:class:`SnapshotReader`): snapshots at random
+  recent ``as_of`` (at most ``SNAPSHOT_WINDOW`` below the upper), each after
+  a downgrade of their since, so since keeps up with the upper;
+- **one listen** from the start of the shard (:class:`Listener`): the
+  reference history (:class:`History`). It records each write's time (and
+  its retraction's), and its reader holds since just below its frontier
+  (what a real consumer does).
+
+The shard has a retention period (1 ms, on times that are write numbers):
+since follows the lowest reader hold, and compaction folds everything
+below it into the contents at since, so the shard stays small. So does the
+model: :class:`History` answers "what did the shard hold at ``as_of``" from
+the writes live now and the events after the readers' lowest since. A
+check therefore costs the same at the hundred-thousandth operation as at
+the first, and a run keeps its rate for as long as it runs.
+
+And the fault menu (:data:`FAULTS`; ``--faults`` picks some, by default
+all run), each a named :class:`Piece`:
+
+- ``maintenance`` (:class:`Maintainer`): ``compact()`` (fan-in 2-4) of the
+  main shard and ``gc()`` with the orphan sweep of every shard in a loop, on
+  top of the clients' own background maintenance (small ``gc_interval``).
+  Every lost compare-and-set reply of this client runs another compaction
+  (concatenating part lists) into the window before the reply is reported:
+  the race in which compaction once deleted a merge that had landed and been
+  merged again;
+- ``slow-writer`` (:class:`SlowWriter`): stages its parts in Blob, waits up
+  to 3/4 of the orphan sweep's short grace (``GRACE_S``), then commits, so
+  the sweep races it and commits meet ``StagedPartsExpired`` (then it
+  stages again);
+- ``replace`` (:class:`Replacer`): a writer and a reader on a second shard:
+  every write replaces the shard's contents; snapshots at random ``as_of``
+  must show exactly one write, never an older one than was acknowledged by
+  then, and the state must hold only a few part references per replace.
 
 What is checked (each failure is a *violation* with details):
 
 - every acknowledged write appears exactly once, whole, at a time it was
   attempted at (its expected upper); an unacknowledged one appears whole or
   not at all, and only if one of its compare-and-sets had an indeterminate
-  outcome; no row appears that no writer wrote;
-- every snapshot equals the reference collection at its ``as_of`` (the
-  listen's history up to that time), with every diff +1 (no duplicates);
-- the listen's consolidated output equals the final snapshot (read with
+  outcome; no row appears that no writer wrote; a retraction takes away a
+  whole write, at the time of the write that asked for it, once;
+- every snapshot equals the reference collection at its ``as_of``, with
+  every diff +1 (no duplicates);
+- the listen's collection at the end equals the final snapshot (read with
   faults off), events are contiguous, uppers only advance (per writer:
   commits strictly increase it; per client it never goes back);
 - no *leased* read (snapshot or listen) fails with ``PartNotFound``: GC
   must not delete a part a reader leases; no compaction meets a missing part
   of batches still in state; every part the final state references exists;
-- the final state satisfies its invariants (batches tile ``[0, upper)``).
+- the final state satisfies its invariants (batches tile ``[0, upper)``);
+- each fault piece's own checks (:meth:`Piece.verify`).
+
+Adding a fault kind: write a :class:`Piece` (its loops, a reliable
+:meth:`~Piece.setup`, a :meth:`~Piece.verify`; it gets clients, seeds, the
+model and the recorder from the :class:`Context`, and adds any shard it
+creates to ``ctx.shards`` for the maintenance piece to collect) and add it
+to :data:`FAULTS`. A deliberate bug to prove it is caught is one
+:class:`Sabotage` entry in :data:`SABOTAGE`: a ``patch`` that puts the bug
+in, and the violation texts that show it (the CI test runs every entry and
+expects one of its ``caught_by`` texts among the violations).
 
 Reproducibility: the seed fixes every random choice (the fault sequence of
-every store wrapper, write sizes, abandon decisions, as_of choices, pauses).
-Thread scheduling is the OS's, so a replay makes the same decisions but
-may interleave them differently; the report prints the seed to replay with.
+every store wrapper, write sizes, abandon decisions, as_of choices, pauses);
+each piece's seed is a function of the run's seed and the piece's name.
+Thread scheduling is the OS's, so a replay makes the same decisions but may
+interleave them differently; the report prints the seed to replay with.
 
 Exit status of :func:`main`: 0 with no violation, 1 otherwise.
 """
@@ -71,7 +103,6 @@ import bisect
 import collections
 import contextlib
 import dataclasses
-import functools
 import multiprocessing
 import os
 import queue
@@ -83,17 +114,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
 from pyspark_persist.state import (
+    DIFF,
     TIME,
     AlreadyCommitted,
     Committed,
+    ListenEvent,
     PersistClient,
     PersistConfig,
+    ReadHandle,
     UpperMismatch,
 )
 from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, open_blob
@@ -117,6 +152,7 @@ from pyspark_persist.state.errors import (
 from pyspark_persist.state.logs import configure as configure_logs
 from pyspark_persist.state.registry import blob_kind, consensus_kind
 from pyspark_persist.state.unreliable import (
+    BLOB_OPS,
     FAULT_KINDS,
     Faults,
     UnreliableBlob,
@@ -128,6 +164,15 @@ ROWS_PER_KEY = 1024
 """Row values are ``write_key * ROWS_PER_KEY + k``: a row names its write."""
 KEY_PER_WRITER = 10_000_000
 """Write keys are ``writer_index * KEY_PER_WRITER + write_number``."""
+LIVE_WRITES = 3
+"""Acknowledged writes a writer keeps in the shard: each further write retracts its oldest,
+so the shard's contents (and every snapshot and check) stay this size while history grows."""
+RETENTION_MS = 1
+"""The main shard's retention. Its times are write numbers, far below the clock, so since
+follows the lowest reader hold alone, and compaction folds what lies below it."""
+SNAPSHOT_WINDOW = 40
+"""Snapshot readers read at most this far (in times, about 20 writes) below the upper, and
+keep their since at most twice that far behind: what a snapshot reads stays bounded."""
 BACKENDS = ("mem", "file-sqlite", "file-postgres")
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 MAX_DETAILS = 50
@@ -138,6 +183,16 @@ SLOW_INDEX = 800
 """Writer index of the slow writer (stages, waits, commits), whose parts the sweep races."""
 REPLACE_INDEX = 900
 """Writer index of the replacer, which replaces a second shard's contents with each write."""
+LIVE_OPS = (
+    "writes_acked",
+    "writes_abandoned",
+    "snapshots",
+    "listen_events",
+    "replace_snapshots",
+    "replaces_acked",
+)
+"""The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
+after it is :attr:`Report.operations_checked`)."""
 
 
 def write_size(key: int) -> int:
@@ -154,6 +209,16 @@ def write_values(key: int) -> list[int]:
 def key_of(value: int) -> int:
     """The write a row value belongs to."""
     return value // ROWS_PER_KEY
+
+
+def write_updates(key: int, retracts: int | None) -> pa.Table:
+    """The updates of write ``key``: its rows inserted, and write ``retracts``'s rows retracted."""
+    inserted = write_values(key)
+    retracted = [] if retracts is None else write_values(retracts)
+    return pa.table(
+        {"v": inserted + retracted, DIFF: [1] * len(inserted) + [-1] * len(retracted)},
+        schema=SCHEMA.append(pa.field(DIFF, pa.int64())),
+    )
 
 
 # --- fault-injecting stores that also remember indeterminate commits ---------------------------
@@ -224,19 +289,14 @@ class LossyBlob(UnreliableBlob):
         return out
 
 
-SABOTAGE = ("fresh_tokens", "lossy_blob", "delete_after_unknown")
-"""Deliberate bugs the checker must detect: a writer that takes a new token per retry
-(duplicates after a lost reply), a Blob that loses acknowledged parts, and compaction's
-cleanup as it once was (a refused merge deletes its parts even after a lost reply, when the
-merge may have landed and been merged again)."""
+# --- deliberate bugs the checker must catch ---------------------------------------------------
 
 
 @contextlib.contextmanager
-def sabotaged(sabotage: str | None) -> Iterator[None]:
-    """Patch in the ``delete_after_unknown`` bug for the run's threads, and undo it after."""
-    if sabotage != "delete_after_unknown":
-        yield
-        return
+def old_compaction_cleanup() -> Iterator[None]:
+    """Compaction's cleanup as it once was, patched in for the run's threads: a
+    refused merge deletes its parts even after a lost reply (a writer's own cleanup keeps
+    the real rule)."""
     from unittest import mock
 
     from pyspark_persist.state import maintenance
@@ -244,9 +304,70 @@ def sabotaged(sabotage: str | None) -> Iterator[None]:
     def old_rule(machine: Any, parts: Sequence[Any], info: Any) -> list[Any]:
         return [p for p in parts if p.key is not None]
 
-    # Compaction's lookup of the rule (a writer's own cleanup keeps the real one).
     with mock.patch.object(maintenance, "never_committed", old_rule):
         yield
+
+
+def _lost_replies_reach_caller(config: PersistConfig) -> PersistConfig:
+    """The writers' config under ``fresh_tokens``: every lost reply reaches the (buggy) caller."""
+    return dataclasses.replace(config, retry_timeout_s=1e-9)
+
+
+@dataclass(frozen=True)
+class Sabotage:
+    """A deliberate bug the checker must detect (``--sabotage NAME``), and how it shows.
+
+    The hooks apply to the writers' clients (``blob``, ``writer_config``,
+    ``fresh_tokens``) or to the whole run (``patch``, a context manager around
+    it); a new fault kind's bug usually needs ``patch`` alone.
+    """
+
+    doc: str
+    caught_by: tuple[str, ...]
+    """Violation texts (case-insensitive substrings), one of which a run must report."""
+    blob: type[UnreliableBlob] = UnreliableBlob
+    """The Blob wrapper of the writers' clients."""
+    writer_config: Callable[[PersistConfig], PersistConfig] | None = None
+    """Changes to the writers' config."""
+    fresh_tokens: bool = False
+    """Writers take a new token for every retry (the bug idempotency tokens prevent)."""
+    patch: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    """Patched in for the whole run (threads share the process, so all of them see it)."""
+    seconds: float = 4.0
+    """A run this long (on mem, 3 writers) catches it (the CI test's budget)."""
+    attempts: int = 1
+    """Seeds the CI test tries before it calls the bug missed (for timing-dependent bugs)."""
+
+
+SABOTAGE: dict[str, Sabotage] = {
+    "fresh_tokens": Sabotage(
+        "a writer that takes a new token per retry: duplicates after a lost reply",
+        # A write applied twice inserts its rows and retracts its predecessor's twice.
+        caught_by=("diff 2", "diff -1", "emitted twice", "retracted twice"),
+        writer_config=_lost_replies_reach_caller,
+        fresh_tokens=True,
+    ),
+    "lossy_blob": Sabotage(
+        "a Blob that loses acknowledged parts",
+        caught_by=("missing from blob",),
+        blob=LossyBlob,
+    ),
+    # The old cleanup loses data only when a lost reply of the maintenance client's merge
+    # meets the racing merge: by thread timing, about two in three 15 s runs show it, so it
+    # gets six seeds and must be caught by one (all six missing it: about 1 in 700).
+    "delete_after_unknown": Sabotage(
+        "compaction's cleanup as it once was: a refused merge deletes its parts "
+        "even after a lost reply, when the merge may have landed and been merged again",
+        caught_by=("missing from blob",),
+        patch=old_compaction_cleanup,
+        seconds=15.0,
+        attempts=6,
+    ),
+}
+"""Deliberate bugs the checker must detect, by ``--sabotage`` name."""
+
+
+# --- where, and through which faults ----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -272,7 +393,18 @@ def make_location(backend: str, root: str | None = None) -> Location:
     return Location(blob, os.environ.get("PERSIST_CHECK_POSTGRES", POSTGRES_URL), directory)
 
 
-def default_faults(seed: int, *, reader: bool = False) -> tuple[Faults, Faults]:
+def reliable_client(loc: Location) -> PersistClient:
+    """A client without faults, on its own cache (setup and the final verification)."""
+    return PersistClient(
+        open_blob(loc.blob_uri), open_consensus(loc.consensus_uri), cache=StateCache()
+    )
+
+
+StoreFaults = tuple[Faults, Faults]
+"""(Blob faults, Consensus faults) of one client."""
+
+
+def default_faults(seed: int, *, reader: bool = False) -> StoreFaults:
     """(blob, consensus) faults of one client: frequent enough to hit every retry path.
 
     A reader's snapshot fetches every part, so its Blob faults are rarer: at the writers'
@@ -310,21 +442,25 @@ def worker_config(rng: random.Random) -> PersistConfig:
 
 
 class FaultyClient:
-    """A client on its own cache over fault-injecting wrappers of a location's stores."""
+    """A client on its own cache over fault-injecting wrappers of a location's stores.
+
+    ``faults`` replaces :func:`default_faults` (of ``seed`` and ``reader``).
+    """
 
     def __init__(
         self,
         loc: Location,
         seed: int,
         config: PersistConfig,
-        sabotage: str | None = None,
+        sabotage: Sabotage | None = None,
         *,
         reader: bool = False,
+        faults: StoreFaults | None = None,
     ) -> None:
-        blob_faults, cons_faults = default_faults(seed, reader=reader)
-        blob_cls = LossyBlob if sabotage == "lossy_blob" else UnreliableBlob
-        if sabotage == "fresh_tokens":  # make sure lost replies reach the (buggy) caller
-            config = dataclasses.replace(config, retry_timeout_s=1e-9)
+        blob_faults, cons_faults = faults or default_faults(seed, reader=reader)
+        blob_cls = UnreliableBlob if sabotage is None else sabotage.blob
+        if sabotage is not None and sabotage.writer_config is not None:
+            config = sabotage.writer_config(config)
         self.blob = blob_cls(open_blob(loc.blob_uri), blob_faults, enabled=False)
         self.consensus = TrackingConsensus(
             open_consensus(loc.consensus_uri), cons_faults, enabled=False
@@ -349,7 +485,7 @@ class FaultyClient:
             self.client.close()
 
 
-# --- what the workers record ------------------------------------------------------------------
+# --- what the pieces record -------------------------------------------------------------------
 
 
 @dataclass
@@ -357,6 +493,8 @@ class WriteRecord:
     """What one writer learned about one write (JSON-able, to cross a process Queue)."""
 
     key: int
+    retracts: int | None = None
+    """The earlier write of the same writer whose rows this write retracts (None: none)."""
     acked: bool = False
     landed_at: int | None = None
     """The time it landed at when a Committed said so (None: acked by AlreadyCommitted)."""
@@ -397,13 +535,18 @@ class Report:
             + self.ops["replace_snapshots_checked"]
         )
 
+    def live_ops(self) -> int:
+        """Operations done so far (see :data:`LIVE_OPS`)."""
+        return sum(self.ops[k] for k in LIVE_OPS)
+
     def render(self) -> str:
         """The human-readable report: seed, ops by kind, faults by kind, violations."""
+        rate = self.operations_checked / self.duration_s if self.duration_s else 0.0
         lines = [
             f"persist checker: seed={self.seed} backend={self.backend} "
             f"duration={self.duration_s:.1f}s final_upper={self.final_upper}"
             + (f" sabotage={self.sabotage}" if self.sabotage else ""),
-            f"operations checked: {self.operations_checked}",
+            f"operations checked: {self.operations_checked} ({rate:.1f}/s)",
             "operations:",
             *(f"  {k:<28} {v}" for k, v in sorted(self.ops.items())),
             f"faults injected: {sum(self.faults.values())}",
@@ -447,6 +590,16 @@ class Recorder:
         with self._lock:
             self.report.ops[kind] += n
 
+    def ops(self, counts: dict[str, int]) -> None:
+        """Count operations by kind (a writer process's)."""
+        with self._lock:
+            self.report.ops.update(counts)
+
+    def faults(self, counts: dict[str, int]) -> None:
+        """Count injected faults by kind (a writer process's clients')."""
+        with self._lock:
+            self.report.faults.update(counts)
+
     def violation(self, text: str) -> None:
         """Record a violation (the first MAX_DETAILS in full)."""
         with self._lock:
@@ -455,120 +608,187 @@ class Recorder:
                 self.report.violations.append(text)
 
 
-# --- the writer loop, shared by threads and processes -----------------------------------------
+# --- a writer, shared by threads and processes ------------------------------------------------
+
+Outcome = Callable[[WriteRecord], bool | None]
+"""Whether an unacknowledged write landed (None: not known yet); see :meth:`History.landed`."""
 
 
-def write_loop(
-    fc: FaultyClient,
-    shard_name: str,
-    index: int,
-    seed: int,
-    stop: threading.Event | Callable[[], bool],
-    op: Callable[[str], None],
-    violation: Callable[[str], None],
-    *,
-    sabotage: str | None = None,
-    abandon_p: float = 0.15,
-    slow_stage_s: float = 0.0,
-) -> list[WriteRecord]:
-    """Append numbered writes until ``stop``; return what was learned about each.
+class Writer:
+    """Appends numbered writes to a shard until stopped; returns what it learned of each.
 
     Retries with the same token (the token is the write number) until the
     write is acknowledged, except that after an error it is abandoned with
-    probability ``abandon_p``. With sabotage ``fresh_tokens`` every retry
+    probability ``abandon_p``. Each write retracts the rows of the writer's
+    oldest live write once ``LIVE_WRITES`` are live. A write it abandoned
+    after an unknown outcome may or may not have landed: until ``outcome``
+    (the reference history) says which, neither it nor the write it meant to
+    retract is retracted by another (a writer without ``outcome``, in a
+    process, never does). With ``fresh_tokens`` (sabotage) every retry
     takes a new token, the bug idempotency tokens exist to prevent. With
     ``slow_stage_s`` each attempt stages its parts first and commits them up
     to that many seconds later: a slow writer the orphan sweep races.
     """
-    stopped = stop.is_set if isinstance(stop, threading.Event) else stop
-    rng = random.Random(seed)
-    shard = fc.client.open_shard(shard_name)
-    writer = shard.writer(f"writer-{index}")
-    fc.enable()
-    records: list[WriteRecord] = []
-    upper = _retry(writer.fetch_upper, stopped, hard_s=FINISH_TIMEOUT_S)
-    last_committed = -1
-    last_seen = upper
-    number = 0
-    token = 0
-    while not stopped():
-        number += 1
-        token += 1
-        key = index * KEY_PER_WRITER + number
-        rec = WriteRecord(key)
-        records.append(rec)
-        data = pa.table({"v": write_values(key)}, schema=SCHEMA)
-        before = fc.consensus.indeterminate_cas()
+
+    def __init__(
+        self,
+        fc: FaultyClient,
+        shard_name: str,
+        index: int,
+        seed: int,
+        rec: Recorder,
+        *,
+        outcome: Outcome | None = None,
+        fresh_tokens: bool = False,
+        abandon_p: float = 0.15,
+        slow_stage_s: float = 0.0,
+    ) -> None:
+        self.fc = fc
+        self.name = f"writer-{index}"
+        self.index = index
+        self.rng = random.Random(seed)
+        self.rec = rec
+        self.outcome = outcome
+        self.fresh_tokens = fresh_tokens
+        self.abandon_p = abandon_p
+        self.slow_stage_s = slow_stage_s
+        self.handle = fc.client.open_shard(shard_name).writer(self.name)
+        self.records: list[WriteRecord] = []
+        self.live: collections.deque[int] = collections.deque()
+        """Its acknowledged writes still in the shard, oldest first: what it may retract."""
+        self.unsettled: list[WriteRecord] = []
+        """Writes abandoned after an unknown outcome, until ``outcome`` tells."""
+        self.upper = 0
+        self.token = 0
+        self.last_committed = -1
+        self.last_seen = 0
+
+    def run(self, stopped: Callable[[], bool]) -> list[WriteRecord]:
+        """Write until ``stopped``; every write's record, acknowledged or not."""
+        self.fc.enable()
+        self.upper = self.last_seen = _retry(self.handle.fetch_upper, hard_s=FINISH_TIMEOUT_S)
+        number = 0
+        while not stopped():
+            number += 1
+            self.token += 1
+            self._settle()
+            retracts = self.live.popleft() if len(self.live) >= LIVE_WRITES else None
+            record = WriteRecord(self.index * KEY_PER_WRITER + number, retracts)
+            self.records.append(record)
+            before = self.fc.consensus.indeterminate_cas()
+            self._write(record, stopped)
+            record.indeterminate = self.fc.consensus.indeterminate_cas() > before
+            self._after(record)
+            if self.rng.random() < 0.1:
+                time.sleep(self.rng.uniform(0, 0.01))
+        return self.records
+
+    def _settle(self) -> None:
+        """Learn the fate of abandoned writes of unknown outcome the history has passed."""
+        if self.outcome is None:
+            return
+        still = []
+        for record in self.unsettled:
+            landed = self.outcome(record)
+            if landed is None:
+                still.append(record)
+                continue
+            self.rec.op("unknown_writes_settled")
+            if landed:
+                self.live.append(record.key)
+            elif record.retracts is not None:
+                self.live.appendleft(record.retracts)
+        self.unsettled = still
+
+    def _after(self, record: WriteRecord) -> None:
+        """What the write's outcome means for what this writer may retract next."""
+        if record.acked:
+            self.rec.op("writes_acked")
+            self.live.append(record.key)
+        elif record.indeterminate:
+            self.unsettled.append(record)
+        elif record.retracts is not None:  # it surely did not land: its retraction neither
+            self.live.appendleft(record.retracts)
+
+    def _write(self, record: WriteRecord, stopped: Callable[[], bool]) -> None:
+        """Attempt ``record``'s write until acknowledged, abandoned, or the run ends."""
+        op, violation, rng = self.rec.op, self.rec.violation, self.rng
+        data = write_updates(record.key, record.retracts)
         finish_by: float | None = None
         while True:
             if stopped():
                 finish_by = finish_by or time.monotonic() + FINISH_TIMEOUT_S / 2
                 if time.monotonic() > finish_by:
                     op("writes_unfinished_at_stop")
-                    break
+                    return
+            upper = self.upper
             new_upper = upper + rng.randint(1, 3)
-            rec.candidates.append(upper)
+            record.candidates.append(upper)
             op("write_attempts")
             try:
-                if slow_stage_s:
-                    builder = writer.builder()
-                    builder.add(data)
-                    staged = builder.finish()
-                    time.sleep(rng.uniform(0, slow_stage_s))
-                    res = writer.compare_and_append_batches(
-                        [staged], upper, new_upper, token=token, ts_rewrite=upper
-                    )
-                else:
-                    res = writer.compare_and_append(data, upper, new_upper, token=token)
+                res = self._attempt(data, upper, new_upper, stopped)
             except (Determinate, Indeterminate) as e:
-                rec.errors += 1
+                record.errors += 1
                 op("write_errors_" + type(e).__name__)
                 with contextlib.suppress(PersistError):
-                    upper = writer.fetch_upper()
-                if sabotage == "fresh_tokens":
-                    token += 1
-                if rng.random() < abandon_p:
+                    self.upper = self.handle.fetch_upper()
+                if self.fresh_tokens:
+                    self.token += 1
+                if rng.random() < self.abandon_p:
                     op("writes_abandoned")
-                    break
+                    return
                 continue
             seen = res.current if isinstance(res, UpperMismatch) else res.upper
-            if seen < last_seen:
-                violation(f"writer-{index}: upper went back from {last_seen} to {seen} ({res})")
-            last_seen = max(last_seen, seen)
+            if seen < self.last_seen:
+                violation(f"{self.name}: upper went back from {self.last_seen} to {seen} ({res})")
+            self.last_seen = max(self.last_seen, seen)
             if isinstance(res, UpperMismatch):
                 op("upper_mismatches")
                 if res.current == upper:
-                    violation(f"writer-{index}: UpperMismatch reports the expected upper {upper}")
-                upper = res.current
+                    violation(f"{self.name}: UpperMismatch reports the expected upper {upper}")
+                self.upper = res.current
                 continue
             if isinstance(res, Committed):
                 op("commits")
                 if res.upper != new_upper:
-                    violation(f"writer-{index}: Committed upper {res.upper}, asked {new_upper}")
-                if res.upper <= last_committed:
+                    violation(f"{self.name}: Committed upper {res.upper}, asked {new_upper}")
+                if res.upper <= self.last_committed:
                     violation(
-                        f"writer-{index}: commit upper {res.upper} did not advance past "
-                        f"{last_committed}"
+                        f"{self.name}: commit upper {res.upper} did not advance past "
+                        f"{self.last_committed}"
                     )
-                last_committed = res.upper
-                rec.landed_at = upper
+                self.last_committed = res.upper
+                record.landed_at = upper
             else:
                 assert isinstance(res, AlreadyCommitted)
                 op("already_committed")
-                if res.token < token:
-                    violation(f"writer-{index}: AlreadyCommitted token {res.token} < asked {token}")
-            rec.acked = True
-            upper = res.upper
-            break
-        rec.indeterminate = fc.consensus.indeterminate_cas() > before
-        if rec.acked:
-            op("writes_acked")
-        if rng.random() < 0.1:
-            time.sleep(rng.uniform(0, 0.01))
-    return records
+                if res.token < self.token:
+                    violation(
+                        f"{self.name}: AlreadyCommitted token {res.token} < asked {self.token}"
+                    )
+            record.acked = True
+            self.upper = res.upper
+            return
+
+    def _attempt(
+        self, data: pa.Table, upper: int, new_upper: int, stopped: Callable[[], bool]
+    ) -> Committed | UpperMismatch | AlreadyCommitted:
+        """One compare-and-append of ``data`` at ``upper``; if slow, staged first and committed
+        later (at once when the run has stopped: its last write need not wait)."""
+        if not self.slow_stage_s:
+            return self.handle.compare_and_append(data, upper, new_upper, token=self.token)
+        builder = self.handle.builder()
+        builder.add(data)
+        staged = builder.finish()
+        pause_until = time.monotonic() + self.rng.uniform(0, self.slow_stage_s)
+        while not stopped() and time.monotonic() < pause_until:
+            time.sleep(min(0.05, max(0.0, pause_until - time.monotonic())))
+        return self.handle.compare_and_append_batches(
+            [staged], upper, new_upper, token=self.token, ts_rewrite=upper
+        )
 
 
-def _retry(fn: Callable[[], Any], stopped: Callable[[], bool], hard_s: float) -> Any:
+def _retry(fn: Callable[[], Any], hard_s: float) -> Any:
     """Call ``fn`` until it does not raise a store error (setup under faults)."""
     deadline = time.monotonic() + hard_s
     while True:
@@ -585,122 +805,169 @@ def _process_writer(
     shard_name: str,
     index: int,
     seed: int,
-    duration_s: float,
+    cap_s: float,
     sabotage: str | None,
+    stop: Any,
     out: Any,
 ) -> None:
-    """A spawned writer process: write for ``duration_s``, then report records and faults."""
-    fc = FaultyClient(loc, seed, worker_config(random.Random(seed)), sabotage)
-    ops: collections.Counter[str] = collections.Counter()
-    violations: list[str] = []
-    deadline = time.monotonic() + duration_s
+    """A spawned writer process: write until ``stop`` is set (or ``cap_s``), then report
+    its records, ops, faults and violations on ``out``."""
+    sab = None if sabotage is None else SABOTAGE[sabotage]
+    fc = FaultyClient(loc, seed, worker_config(random.Random(seed)), sab)
+    report = Report(seed=seed, backend="")
+    deadline = time.monotonic() + cap_s
     try:
-        records = write_loop(
+        writer = Writer(
             fc,
             shard_name,
             index,
             seed,
-            lambda: time.monotonic() > deadline,
-            lambda k: ops.update([k]),
-            violations.append,
-            sabotage=sabotage,
+            Recorder(report),
+            fresh_tokens=sab is not None and sab.fresh_tokens,
         )
+        records = writer.run(lambda: stop.is_set() or time.monotonic() > deadline)
         fc.enable(False)
         out.put(
             {
-                "index": index,
                 "records": [vars(r) for r in records],
-                "ops": dict(ops),
+                "ops": dict(report.ops),
                 "faults": dict(fc.faults()),
-                "violations": violations,
+                "violations": report.violations,
             }
         )
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
-        out.put({"index": index, "error": f"{type(e).__name__}: {e}"})
+        out.put({"error": f"{type(e).__name__}: {e}"})
     finally:
         fc.close()
 
 
-# --- the reference history: one listen --------------------------------------------------------
+# --- the reference history, from the listen ---------------------------------------------------
 
 
 class History:
-    """The listen's view: each write's time, in time order, plus pending snapshot checks."""
+    """The reference: what the listen saw, and the collection it implies at recent times.
+
+    The listen is the one witness of every write, including those retracted and
+    compacted away since. What a check costs is bounded by the shard's contents,
+    not its history: it keeps one insert time and one retraction time per write
+    (for the final verification), the writes live at the frontier, and the
+    events after the *floor*, the lowest time a snapshot may still be compared
+    at (each snapshot reader holds its since with :meth:`hold`; a pending
+    snapshot holds its own time). The collection at ``as_of`` is the live
+    writes with the events after ``as_of`` undone: O(live writes + events
+    after as_of) per check.
+    """
 
     def __init__(self, rec: Recorder) -> None:
         self._rec = rec
         self._lock = threading.Lock()
         self.time_of: dict[int, int] = {}
-        self._times: list[int] = []  # sorted
-        self._keys: list[int] = []  # parallel to _times
+        """Each write the listen saw: the time it landed at."""
+        self.retracted_at: dict[int, int] = {}
+        """Each retracted write: the time of its retraction."""
+        self.live: set[int] = set()
+        """The writes in the collection at ``frontier - 1``."""
         self.frontier = 1
+        self._events: collections.deque[tuple[int, int, int]] = collections.deque()
+        """(time, write, +1 inserted | -1 retracted) after the floor, in time order."""
+        self._floors: dict[str, int] = {}
         self._pending: list[tuple[int, frozenset[int], str]] = []
+
+    def hold(self, who: str, since: int) -> None:
+        """``who`` compares no snapshot before ``since`` any more (register before reading)."""
+        with self._lock:
+            self._floors[who] = since
+
+    def release(self, who: str) -> None:
+        """``who`` compares no more snapshots."""
+        with self._lock:
+            self._floors.pop(who, None)
+
+    def landed(self, record: WriteRecord) -> bool | None:
+        """Whether ``record``'s write landed, once the listen has passed every time it was
+        attempted at (None before)."""
+        with self._lock:
+            if record.candidates and max(record.candidates) >= self.frontier:
+                return None
+            return record.key in self.time_of
 
     def add_event(self, lower: int, upper: int, table: pa.Table) -> None:
         """Check one listen event's updates and add them to the history."""
-        rec = self._rec
         if lower != self.frontier or upper <= lower:
-            rec.violation(
+            self._rec.violation(
                 f"listen: event [{lower}, {upper}) does not follow frontier {self.frontier}"
             )
-        sums: collections.Counter[int] = collections.Counter()
-        times: dict[int, set[int]] = collections.defaultdict(set)
-        for v, t, d in zip(
-            table.column("v").to_pylist(),
-            table.column(TIME).to_pylist(),
-            table.column("_diff").to_pylist(),
-            strict=True,
-        ):
-            sums[v] += d
-            times[key_of(v)].add(t)
-        per_key: collections.Counter[int] = collections.Counter()
-        for v, d in sums.items():
-            if d != 1:
-                rec.violation(
-                    f"listen: row {v} (write {key_of(v)}) has diff {d} in event [{lower}, {upper})"
-                )
-            if d != 0:
-                per_key[key_of(v)] += 1
-        new: list[tuple[int, int]] = []
-        for key, n in per_key.items():
-            if n != write_size(key):
-                rec.violation(
-                    f"listen: write {key} appears partially ({n} of {write_size(key)} rows)"
-                )
-            ts = times[key]
-            if len(ts) != 1:
-                rec.violation(f"listen: write {key} appears at several times {sorted(ts)}")
-            t = min(ts)
-            if not lower <= t < upper:
-                rec.violation(f"listen: write {key} at time {t} outside event [{lower}, {upper})")
-            if key in self.time_of:
-                rec.violation(
-                    f"listen: write {key} emitted twice (times {self.time_of[key]} and {t})"
-                )
-                continue
-            new.append((t, key))
+        changes = event_changes(lower, upper, table, self._rec)
         with self._lock:
-            for t, key in sorted(new):
-                self.time_of[key] = t
-                i = bisect.bisect_right(self._times, t)
-                self._times.insert(i, t)
-                self._keys.insert(i, key)
+            for t, sign, key in changes:
+                self._apply(t, sign, key)
             self.frontier = max(self.frontier, upper)
+            self._trim()  # before the due snapshots leave the pending list: they hold the floor
             due = [p for p in self._pending if p[0] < self.frontier]
             self._pending = [p for p in self._pending if p[0] >= self.frontier]
         for as_of, keys, who in due:
             self._compare(as_of, keys, who)
 
-    def expected_at(self, as_of: int) -> frozenset[int]:
-        """The writes the collection holds at ``as_of`` (as_of must be below the frontier)."""
+    def skip(self, upper: int) -> None:
+        """Move the frontier past an event that could not be read (a violation already)."""
         with self._lock:
-            return frozenset(self._keys[: bisect.bisect_right(self._times, as_of)])
+            self.frontier = max(self.frontier, upper)
+
+    def _apply(self, t: int, sign: int, key: int) -> None:
+        """Add one write's insertion (``sign`` 1) or retraction (-1) at ``t`` (lock held)."""
+        rec = self._rec
+        if sign > 0:
+            if key in self.time_of:
+                rec.violation(
+                    f"listen: write {key} emitted twice (times {self.time_of[key]} and {t})"
+                )
+                return
+            self.time_of[key] = t
+            self.live.add(key)
+        else:
+            if key in self.retracted_at:
+                rec.violation(
+                    f"listen: write {key} retracted twice (times {self.retracted_at[key]} and {t})"
+                )
+                return
+            if key not in self.live:
+                rec.violation(f"listen: write {key} retracted at time {t} but not in the shard")
+                return
+            self.retracted_at[key] = t
+            self.live.discard(key)
+            self._rec.op("retractions")
+        self._events.append((t, key, sign))
+
+    def _trim(self) -> None:
+        """Forget the events no snapshot can still need: those at or below the floor."""
+        floor = min([*self._floors.values(), *(p[0] for p in self._pending), self.frontier - 1])
+        while self._events and self._events[0][0] <= floor:
+            self._events.popleft()
+
+    def expected_at(self, as_of: int) -> frozenset[int]:
+        """The writes the collection holds at ``as_of`` (below the frontier, above the floor)."""
+        with self._lock:
+            keys = set(self.live)
+            for t, key, sign in reversed(self._events):
+                if t <= as_of:
+                    break
+                if sign > 0:
+                    keys.discard(key)
+                else:
+                    keys.add(key)
+            return frozenset(keys)
 
     def add_snapshot(self, as_of: int, keys: frozenset[int], who: str) -> None:
         """Compare a snapshot now if the history covers ``as_of``, else when it does."""
         with self._lock:
             if as_of >= self.frontier:
                 self._pending.append((as_of, keys, who))
+                return
+            if as_of < self._floors.get(who, 0):
+                self._rec.violation(
+                    f"checker: {who} compares a snapshot at {as_of}, below its hold "
+                    f"{self._floors[who]} (the history may have forgotten what it needs)"
+                )
                 return
         self._compare(as_of, keys, who)
 
@@ -727,10 +994,55 @@ class History:
             )
 
 
+def event_changes(
+    lower: int, upper: int, table: pa.Table, rec: Recorder
+) -> list[tuple[int, int, int]]:
+    """The writes a listen event inserts and retracts: (time, +1 or -1, write), in time order.
+
+    Each must be whole (every row of the write), at one time inside the event;
+    every row's diffs at a time sum to 1, -1 or 0 (0: nothing to record).
+    """
+    sums: collections.Counter[tuple[int, int]] = collections.Counter()
+    for v, t, d in zip(
+        table.column("v").to_pylist(),
+        table.column(TIME).to_pylist(),
+        table.column(DIFF).to_pylist(),
+        strict=True,
+    ):
+        sums[(v, t)] += d
+    rows: collections.Counter[tuple[int, int, int]] = collections.Counter()
+    for (v, t), d in sums.items():
+        if d not in (0, 1, -1):
+            rec.violation(
+                f"listen: row {v} (write {key_of(v)}) has diff {d} at time {t} in event "
+                f"[{lower}, {upper})"
+            )
+        if d != 0:
+            rows[(key_of(v), t, 1 if d > 0 else -1)] += 1
+    times: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for (key, t, sign), n in rows.items():
+        what = "write" if sign > 0 else "retraction of write"
+        if n != write_size(key):
+            rec.violation(
+                f"listen: {what} {key} appears partially ({n} of {write_size(key)} rows) "
+                f"at time {t}"
+            )
+        if not lower <= t < upper:
+            rec.violation(f"listen: {what} {key} at time {t} outside event [{lower}, {upper})")
+        times[(key, sign)].append(t)
+    changes = []
+    for (key, sign), ts in times.items():
+        if len(ts) != 1:
+            what = "write" if sign > 0 else "retraction of write"
+            rec.violation(f"listen: {what} {key} appears at several times {sorted(ts)}")
+        changes.append((min(ts), sign, key))
+    return sorted(changes)
+
+
 def snapshot_keys(table: pa.Table, who: str, as_of: int, rec: Recorder) -> frozenset[int]:
     """The writes a consolidated snapshot holds; each row must be there once, whole."""
     per_key: collections.Counter[int] = collections.Counter()
-    for v, d in zip(table.column("v").to_pylist(), table.column("_diff").to_pylist(), strict=True):
+    for v, d in zip(table.column("v").to_pylist(), table.column(DIFF).to_pylist(), strict=True):
         if d != 1:
             rec.violation(
                 f"{who}: snapshot as_of {as_of} holds row {v} (write {key_of(v)}) with diff {d}"
@@ -745,178 +1057,239 @@ def snapshot_keys(table: pa.Table, who: str, as_of: int, rec: Recorder) -> froze
     return frozenset(per_key)
 
 
-def _check_replaces(
-    loc: Location,
-    shard_name: str,
-    acks: list[tuple[int, int | None, bool, bool]],
-    seen: list[tuple[int, int | None]],
-    rec: Recorder,
-) -> None:
-    """Verify the replaced shard: each snapshot shows exactly the newest replace at its time.
-
-    A snapshot may show a write that was not acknowledged only if its outcome
-    was unknown; never a mix, never an older write than one acknowledged at
-    or before its time. The final state holds a few references per replace
-    (it once doubled them with each).
-    """
-    rec.op("replace_writes_checked", len(acks))
-    rec.op("replace_snapshots_checked", len(seen))
-    landed = sorted((t, key) for key, t, acked, _ in acks if acked and t is not None)
-    times = [t for t, _ in landed]
-    for as_of, key in seen:
-        i = bisect.bisect_right(times, as_of)
-        if i and (key is None or key < landed[i - 1][1]):
-            rec.violation(
-                f"replace-reader: snapshot as_of {as_of} shows write {key}, older than write "
-                f"{landed[i - 1][1]} acknowledged at time {landed[i - 1][0]}"
-            )
-    shown = [key for _, key in sorted(seen) if key is not None]
-    if any(b < a for a, b in zip(shown, shown[1:], strict=False)):
-        rec.violation("replace-reader: a later as_of showed an older replaced write")
-    with PersistClient(
-        open_blob(loc.blob_uri), open_consensus(loc.consensus_uri), cache=StateCache()
-    ) as check:
-        shard = check.open_shard(shard_name)
-        with shard.reader("final-replace-check") as reader:
-            state = shard.state()
-            final = snapshot_keys(reader.snapshot_table(state.upper - 1), "final", 0, rec)
-    acked = [key for key, _, ok, _ in acks if ok]
-    maybe = {key for key, _, ok, unknown in acks if not ok and unknown}
-    if acked and (len(final) != 1 or (max(final) != max(acked) and max(final) not in maybe)):
-        rec.violation(f"replaced shard ends with writes {sorted(final)}, last acked {max(acked)}")
-    refs = sum(len(b.parts) for b in state.batches.values())
-    if refs > 3 * len(acks) + 16:
-        rec.violation(f"replaced shard holds {refs} part references after {len(acks)} replaces")
+# --- what the pieces of a run share -----------------------------------------------------------
 
 
-# --- the run ------------------------------------------------------------------------------------
+@dataclass
+class Context:
+    """What every piece of a run shares: where it runs, its seed, the reference history, the
+    recorder, the sabotage in force, and when to stop. Pieces get their clients and seeds
+    here, so a new piece needs nothing else."""
 
+    loc: Location
+    shard_name: str
+    """The main shard: writers, snapshot readers, the listener and maintenance use it."""
+    seed: int
+    rec: Recorder
+    history: History
+    duration_s: float = 0.0
+    sabotage_name: str | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    clients: list[FaultyClient] = field(default_factory=list)
+    records: list[WriteRecord] = field(default_factory=list)
+    """Every writer's records of the main shard (verified after the workload)."""
+    shards: list[str] = field(default_factory=list)
+    """Every shard of the run, the main one first: a piece's setup adds the ones it
+    creates, and the maintenance piece collects the garbage of all of them."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-def run(
-    seed: int | None = None,
-    duration_s: float = 10.0,
-    writers: int = 4,
-    processes: int = 0,
-    backend: str = "mem",
-    *,
-    readers: int = 2,
-    sabotage: str | None = None,
-    root: str | None = None,
-    location: Location | None = None,
-    target_ops: int | None = None,
-) -> Report:
-    """Run the workload for ``duration_s`` and verify its history; see the module doc.
+    @property
+    def sabotage(self) -> Sabotage | None:
+        """The deliberate bug in force, if any."""
+        return None if self.sabotage_name is None else SABOTAGE[self.sabotage_name]
 
-    ``location`` runs it there instead of a fresh ``backend`` location.
-    ``target_ops`` ends the workload early once about that many operations
-    (acknowledged or abandoned writes, snapshots, listen events, replaces)
-    are done; ``duration_s`` stays the cap.
-    """
-    if seed is None:
-        seed = random.SystemRandom().randrange(1 << 31)
-    if sabotage is not None and sabotage not in SABOTAGE:
-        raise ValueError(f"unknown sabotage {sabotage!r}: use one of {', '.join(SABOTAGE)}")
-    if processes and backend == "mem" and location is None:
-        raise ValueError(
-            "writer processes need a shared location: use file-sqlite or file-postgres, not mem"
+    def seed_for(self, name: str) -> int:
+        """The seed of whatever is called ``name`` in this run: a function of the run's seed
+        and the name alone, so adding a piece changes no other piece's choices."""
+        return random.Random(f"{self.seed}/{name}").randrange(1 << 31)
+
+    def client(
+        self,
+        name: str,
+        *,
+        reader: bool = False,
+        sabotaged: bool = False,
+        config: Callable[[PersistConfig], PersistConfig] | None = None,
+        faults: Callable[[StoreFaults], StoreFaults] | None = None,
+    ) -> FaultyClient:
+        """A new client with faults (off until it calls ``enable``) seeded by ``name``; its
+        faults are counted in the report and it is closed after the run. ``sabotaged``: it
+        gets the sabotage's writer hooks. ``config`` changes its :func:`worker_config`,
+        ``faults`` its :func:`default_faults`."""
+        seed = self.seed_for(name)
+        cfg = worker_config(random.Random(seed))
+        if config is not None:
+            cfg = config(cfg)
+        store_faults = default_faults(seed, reader=reader)
+        if faults is not None:
+            store_faults = faults(store_faults)
+        fc = FaultyClient(
+            self.loc,
+            seed,
+            cfg,
+            self.sabotage if sabotaged else None,
+            reader=reader,
+            faults=store_faults,
         )
-    rng = random.Random(seed)
-    where = backend if location is None else f"{location.blob_uri} + {location.consensus_uri}"
-    report = Report(seed=seed, backend=where, sabotage=sabotage)
-    rec = Recorder(report)
-    loc = location or make_location(backend, root)
-    shard_name = f"check-{seed}-{uuid.uuid4().hex[:8]}"
-    started = time.monotonic()
-    clients: list[FaultyClient] = []
-    try:
-        with sabotaged(sabotage):
-            _run(
-                loc,
-                shard_name,
-                seed,
-                rng,
-                duration_s,
-                writers,
-                processes,
-                readers,
-                sabotage,
-                rec,
-                clients,
-                target_ops,
-            )
-    finally:
-        for fc in clients:
-            report.faults.update(fc.faults())
-            fc.close()
-        if loc.cleanup:
-            shutil.rmtree(loc.cleanup, ignore_errors=True)
-    report.duration_s = time.monotonic() - started
-    return report
-
-
-def _run(
-    loc: Location,
-    shard_name: str,
-    seed: int,
-    rng: random.Random,
-    duration_s: float,
-    n_writers: int,
-    n_processes: int,
-    n_readers: int,
-    sabotage: str | None,
-    rec: Recorder,
-    clients: list[FaultyClient],
-    target_ops: int | None = None,
-) -> None:
-    report = rec.report
-
-    def faulty(sub_seed: int, sab: str | None = None, reader: bool = False) -> FaultyClient:
-        fc = FaultyClient(loc, sub_seed, worker_config(random.Random(sub_seed)), sab, reader=reader)
-        clients.append(fc)
+        with self._lock:
+            self.clients.append(fc)
         return fc
 
-    # Setup, reliable: the shard, and an empty batch [0, 1) so a listen from 0 sees every write.
-    with PersistClient(
-        open_blob(loc.blob_uri), open_consensus(loc.consensus_uri), cache=StateCache()
-    ) as setup:
-        shard = setup.open_shard(shard_name, SCHEMA)
-        shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
-        replaced = setup.open_shard(shard_name + "-replaced", SCHEMA)
-        replaced.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+    def add_records(self, records: Iterable[WriteRecord]) -> None:
+        """Hand a writer's records to the final verification."""
+        with self._lock:
+            self.records.extend(records)
 
-    stop = threading.Event()
-    history = History(rec)
-    errors: list[str] = []
-    records: list[WriteRecord] = []
-    records_lock = threading.Lock()
 
-    def guard(name: str, fn: Callable[[], None]) -> Callable[[], None]:
-        def body() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - a crashed worker is a failed run
-                errors.append(f"{name} crashed: {type(e).__name__}: {e}")
-                rec.violation(f"{name} crashed: {type(e).__name__}: {e}")
+class Piece:
+    """One named part of a run: loops that each run in a thread until ``ctx.stop``, a setup
+    before any loop starts (no faults yet) and its own checks after the workload.
 
-        return body
+    A loop that raises is a violation naming it. Subclasses override what they need: most
+    only :meth:`run` (the one loop) and perhaps :meth:`verify`.
+    """
 
-    def writer_thread(i: int) -> None:
-        fc = faulty(rng_seeds[f"w{i}"], sabotage)
-        out = write_loop(
-            fc, shard_name, i, rng_seeds[f"w{i}"], stop, rec.op, rec.violation, sabotage=sabotage
+    def __init__(self, ctx: Context, name: str) -> None:
+        self.ctx = ctx
+        self.name = name
+
+    def setup(self) -> None:
+        """Reliable setup before any loop of any piece starts (create a shard, say)."""
+
+    def loops(self) -> dict[str, Callable[[], None]]:
+        """The piece's loops by thread name: by default :meth:`run`, under its name."""
+        return {self.name: self.run}
+
+    def run(self) -> None:
+        """The piece's loop (when it has one): work until ``self.ctx.stop`` is set."""
+        raise NotImplementedError(f"{type(self).__name__} has no loop: override run or loops")
+
+    def verify(self) -> None:
+        """Checks of its own after the workload: faults off, the listen caught up."""
+
+
+# --- the core: writers, snapshot readers, the listener ----------------------------------------
+
+
+class WriterPiece(Piece):
+    """A writer thread on the main shard (see :class:`Writer`); the history settles its
+    writes of unknown outcome."""
+
+    slow_stage_s = 0.0
+
+    def __init__(self, ctx: Context, index: int, name: str | None = None) -> None:
+        super().__init__(ctx, name or f"writer-{index}")
+        self.index = index
+
+    def client(self) -> FaultyClient:
+        """This writer's client (the sabotage's writer hooks apply)."""
+        return self.ctx.client(self.name, sabotaged=True)
+
+    def run(self) -> None:
+        """Write until the run stops; hand the records over."""
+        ctx = self.ctx
+        writer = Writer(
+            self.client(),
+            ctx.shard_name,
+            self.index,
+            ctx.seed_for(self.name),
+            ctx.rec,
+            outcome=ctx.history.landed,
+            fresh_tokens=ctx.sabotage is not None and ctx.sabotage.fresh_tokens,
+            slow_stage_s=self.slow_stage_s,
         )
-        with records_lock:
-            records.extend(out)
+        try:
+            writer.run(ctx.stop.is_set)
+        finally:
+            ctx.add_records(writer.records)
 
-    def reader_thread(i: int) -> None:
-        fc = faulty(rng_seeds[f"r{i}"], reader=True)
-        r = random.Random(rng_seeds[f"r{i}"])
-        shard = fc.client.open_shard(shard_name)
-        reader = shard.reader(f"reader-{i}")
+
+class ProcessWriter(Piece):
+    """A writer in a spawned process, on the main shard, until the run stops.
+
+    It has no reference history to settle writes of unknown outcome: those
+    (and what they meant to retract) stay in the shard for good, a few per
+    process and minute.
+    """
+
+    def __init__(self, ctx: Context, index: int) -> None:
+        super().__init__(ctx, f"process-writer-{index}")
+        self.index = index
+        mp = multiprocessing.get_context("spawn")
+        self._stop = mp.Event()
+        self._out = mp.Queue()
+        self._process = mp.Process(
+            target=_process_writer,
+            args=(
+                ctx.loc,
+                ctx.shard_name,
+                index,
+                ctx.seed_for(self.name),
+                ctx.duration_s + FINISH_TIMEOUT_S,
+                ctx.sabotage_name,
+                self._stop,
+                self._out,
+            ),
+            name=f"check-{self.name}",
+        )
+
+    def run(self) -> None:
+        """Start the process, stop it with the run, and take in what it reports."""
+        rec = self.ctx.rec
+        self._process.start()
+        try:
+            self.ctx.stop.wait()
+            self._stop.set()
+            try:
+                res = self._out.get(timeout=FINISH_TIMEOUT_S + 60)
+            except queue.Empty:
+                rec.violation(f"writer process {self.index} reported nothing (crashed or hung)")
+                return
+        finally:
+            self._process.join(timeout=10)
+            if self._process.is_alive():
+                self._process.kill()
+        if "error" in res:
+            rec.violation(f"writer process {self.index} failed: {res['error']}")
+            return
+        self.ctx.add_records(WriteRecord(**r) for r in res["records"])
+        rec.ops(res["ops"])
+        rec.faults(res["faults"])
+        for v in res["violations"]:
+            rec.violation(f"process {self.index}: {v}")
+        rec.op("writer_processes")
+
+
+def recent_as_of(reader: ReadHandle, latest: int, rng: random.Random, rec: Recorder) -> int | None:
+    """Downgrade ``reader``'s since to a random time at most two windows below ``latest``,
+    then pick a random as_of at most a window below it and at or after the since the reader
+    now has (None: that since is past ``latest``).
+
+    The since comes after the downgrade: it may be past the one asked for (an earlier
+    downgrade whose reply was lost landed), and no read may go below it.
+    """
+    lo = reader.since
+    if lo < latest:
+        with contextlib.suppress(Determinate, Indeterminate):
+            reader.downgrade_since(rng.randint(max(lo, latest - 2 * SNAPSHOT_WINDOW), latest))
+            rec.op("since_downgrades")
+    lo = reader.since
+    if lo > latest:
+        return None
+    return rng.randint(max(lo, latest - SNAPSHOT_WINDOW), latest)
+
+
+class SnapshotReader(Piece):
+    """Snapshots of the main shard at random recent times, each compared with the history.
+
+    Before each read it downgrades its since (and its hold on the history) to
+    a random recent time, then reads at or after it: since, and with it what a
+    snapshot reads, keeps up with the upper even while reads fail or are slow.
+    """
+
+    def __init__(self, ctx: Context, index: int) -> None:
+        super().__init__(ctx, f"reader-{index}")
+        ctx.history.hold(self.name, 0)
+
+    def run(self) -> None:
+        """Take snapshots until the run stops."""
+        ctx, rec, who = self.ctx, self.ctx.rec, self.name
+        fc = ctx.client(who, reader=True)
+        r = random.Random(ctx.seed_for(who))
+        reader = fc.client.open_shard(ctx.shard_name).reader(who)
         fc.enable()
-        who = f"reader-{i}"
         last_upper = 0
-        while not stop.is_set():
+        while not ctx.stop.is_set():
             try:
                 latest = reader.latest_as_of()
             except (Determinate, Indeterminate):
@@ -925,113 +1298,165 @@ def _run(
             if latest + 1 < last_upper:
                 rec.violation(f"{who}: upper went back from {last_upper} to {latest + 1}")
             last_upper = max(last_upper, latest + 1)
-            lo = reader.since
-            if lo > latest:
+            as_of = recent_as_of(reader, latest, r, rec)
+            ctx.history.hold(who, reader.since)
+            if as_of is None:
                 time.sleep(0.005)
                 continue
-            as_of = r.randint(lo, latest)
-            try:
-                table = reader.snapshot_table(as_of)
-            except PartNotFound as e:
-                rec.violation(f"{who}: leased snapshot as_of {as_of} failed: {e}")
-                continue
-            except CorruptData as e:
-                rec.violation(f"{who}: snapshot as_of {as_of} read corrupt data: {e}")
-                continue
-            except (Determinate, Indeterminate):
-                rec.op("snapshot_errors")
-                continue
-            except InvalidFrontier:
-                # A downgrade whose reply was lost landed: the hold in state is ahead of
-                # reader.since, which only a returned downgrade moves. Not a data error.
-                rec.op("snapshots_behind_a_landed_downgrade")
-                continue
-            rec.op("snapshots")
-            history.add_snapshot(as_of, snapshot_keys(table, who, as_of, rec), who)
-            if r.random() < 0.3:
-                with contextlib.suppress(Determinate, Indeterminate):
-                    reader.downgrade_since(r.randint(lo, as_of))
-                    rec.op("since_downgrades")
+            table = self._snapshot(reader, as_of)
+            if table is not None:
+                rec.op("snapshots")
+                ctx.history.add_snapshot(as_of, snapshot_keys(table, who, as_of, rec), who)
             time.sleep(r.uniform(0, 0.02))
+        ctx.history.release(who)
         with contextlib.suppress(PersistError):
             reader.close()
 
-    listen_done = threading.Event()
-    final_upper_box: list[int] = []
+    def _snapshot(self, reader: ReadHandle, as_of: int) -> pa.Table | None:
+        """The snapshot at ``as_of``; None after an error (counted, or a violation)."""
+        rec, who = self.ctx.rec, self.name
+        try:
+            return reader.snapshot_table(as_of)
+        except PartNotFound as e:
+            rec.violation(f"{who}: leased snapshot as_of {as_of} failed: {e}")
+        except CorruptData as e:
+            rec.violation(f"{who}: snapshot as_of {as_of} read corrupt data: {e}")
+        except (Determinate, Indeterminate):
+            rec.op("snapshot_errors")
+        except InvalidFrontier:
+            # A downgrade whose reply was lost landed: the hold in state is ahead of
+            # reader.since, which only a returned downgrade moves. Not a data error.
+            rec.op("snapshots_behind_a_landed_downgrade")
+        return None
 
-    listen_setup: list[Any] = []
-    """(client, reader, listen): registered before any other reader starts (see below)."""
 
-    def listen_thread() -> None:
-        fc, reader, listen = listen_setup
-        fc.enable()
-        r = random.Random(rng_seeds["listen"])
+class Listener:
+    """The source of the reference history: one listen from time 0, checked event by event.
+
+    Not a :class:`Piece`: it is what the pieces are checked against, and it
+    reads on after the workload, until the final upper. Its reader registers
+    when it is built, before any other reader (its hold keeps since at 0
+    until it listens: a reader downgrading first could move since past 0),
+    and holds since just below its frontier, as a real consumer does.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.fc = ctx.client("listener", reader=True)
+        self.reader = self.fc.client.open_shard(ctx.shard_name).reader("listener")
+        self.listen = self.reader.listen(0)
+        self.final_upper: int | None = None
+        self.done = threading.Event()
+        """Set once the listen reached the final upper."""
+        self.thread = threading.Thread(
+            target=guarded(ctx.rec, "listen", self.run), name="check-listen"
+        )
+
+    def finish(self, final_upper: int) -> None:
+        """Read on up to ``final_upper`` (the workload has stopped), then stop."""
+        self.final_upper = final_upper
+        self.thread.join(timeout=FINISH_TIMEOUT_S + 10)
+
+    def run(self) -> None:
+        """Follow the shard, adding each event to the history, until the final upper."""
+        ctx, rec, history, reader = self.ctx, self.ctx.rec, self.ctx.history, self.reader
+        self.fc.enable()
+        r = random.Random(ctx.seed_for("listener"))
         deadline: float | None = None
         while True:
-            if final_upper_box:
-                if history.frontier >= final_upper_box[0]:
+            if self.final_upper is not None:
+                if history.frontier >= self.final_upper:
+                    self.done.set()
                     break
                 deadline = deadline or time.monotonic() + FINISH_TIMEOUT_S
                 if time.monotonic() > deadline:
                     rec.violation(
                         f"listen: stuck at frontier {history.frontier}, final upper "
-                        f"{final_upper_box[0]}"
+                        f"{self.final_upper}"
                     )
                     break
             try:
-                event = listen.next(timeout_s=0.1)
+                event = self.listen.next(timeout_s=0.1)
             except (Determinate, Indeterminate):
                 rec.op("listen_errors")
                 continue
             if event is None:
                 continue
-            while True:
-                try:
-                    table = reader.fetch(event.parts)
-                    break
-                except PartNotFound as e:
-                    rec.violation(
-                        f"listen: leased event [{event.lower}, {event.upper}) failed: {e}"
-                    )
-                    table = None
-                    break
-                except (Determinate, Indeterminate):
-                    rec.op("listen_errors")
+            table = self._fetch(event)
             if table is None:
-                history.frontier = max(history.frontier, event.upper)
+                history.skip(event.upper)
                 continue
             rec.op("listen_events")
             history.add_event(event.lower, event.upper, table)
             if r.random() < 0.3 and history.frontier > 1:
                 with contextlib.suppress(Determinate, Indeterminate):
                     reader.downgrade_since(history.frontier - 1)
-        listen.close()
-        listen_done.set()
+        self.listen.close()
         with contextlib.suppress(PersistError):
             reader.close()
 
-    def maintenance_thread() -> None:
+    def _fetch(self, event: ListenEvent) -> pa.Table | None:
+        """The event's updates, retrying store errors; None (a violation) if a part is gone."""
+        while True:
+            try:
+                return self.reader.fetch(event.parts)
+            except PartNotFound as e:
+                self.ctx.rec.violation(
+                    f"listen: leased event [{event.lower}, {event.upper}) failed: {e}"
+                )
+                return None
+            except (Determinate, Indeterminate):
+                self.ctx.rec.op("listen_errors")
+
+
+# --- the fault menu ---------------------------------------------------------------------------
+
+
+def _reads_and_deletes_never_fail(faults: StoreFaults) -> StoreFaults:
+    """Faults on every Blob operation but get and delete (and on every Consensus one)."""
+    blob, consensus = faults
+    return dataclasses.replace(blob, ops=BLOB_OPS - {"get", "delete"}), consensus
+
+
+class Maintainer(Piece):
+    """Compaction of the main shard and GC (with the orphan sweep) of every shard of the
+    run in a loop, and a second compactor racing into the window of every lost
+    compare-and-set reply of this client: it merges the merge that may just have landed
+    (concatenating part lists, so state keeps its parts).
+
+    It is what keeps the shards small, so its Blob never fails a read or a delete (every
+    other client's does; its writes, listings and Consensus calls still fail). A
+    compaction reads every part of its batches and a GC pass deletes the garbage of every
+    diff since Consensus was last truncated, all of it again, each ending at the first
+    failure: under every client's faults neither finishes once the shard or its garbage
+    outgrows a few dozen parts, and from then on both only grow, and with them every
+    commit's own compaction (writers stall) and every GC pass.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "maintenance")
+
+    def run(self) -> None:
+        """Compact or collect, pausing a little between, until the run stops."""
+        ctx, rec = self.ctx, self.ctx.rec
         # Retrying (not failing at once) after a lost reply is what reaches compaction's
         # cleanup after an unknown outcome.
-        seed = rng_seeds["maint"]
-        fc = FaultyClient(
-            loc, seed, dataclasses.replace(worker_config(random.Random(seed)), retry_timeout_s=0.3)
+        fc = ctx.client(
+            self.name,
+            config=lambda c: dataclasses.replace(c, retry_timeout_s=1.5),
+            faults=_reads_and_deletes_never_fail,
         )
-        clients.append(fc)
-        r = random.Random(rng_seeds["maint"])
-        shard = fc.client.open_shard(shard_name)
-        # Another compactor, racing into the window of every lost reply: it merges the merge
-        # that may just have landed (concatenating part lists, so state keeps its parts).
-        seed = rng_seeds["maint"] + 1
-        config = dataclasses.replace(
-            worker_config(random.Random(seed)), compaction_memory_bytes=1, compaction_fan_in=2
+        racer = ctx.client(  # its faults stay off
+            f"{self.name}-racer",
+            config=lambda c: dataclasses.replace(c, compaction_memory_bytes=1, compaction_fan_in=2),
         )
-        racer = FaultyClient(loc, seed, config)  # its faults stay off
-        clients.append(racer)
-        racer_shard = racer.client.open_shard(shard_name)
+        r = random.Random(ctx.seed_for(self.name))
+        shard = fc.client.open_shard(ctx.shard_name)
+        racer_shard = racer.client.open_shard(ctx.shard_name)
+        collected = {name: fc.client.open_shard(name) for name in ctx.shards}
 
         def race() -> None:
-            if stop.is_set():
+            if ctx.stop.is_set():
                 return
             try:
                 racer_shard.compact()
@@ -1041,42 +1466,89 @@ def _run(
 
         fc.consensus.on_lost_reply = race
         fc.enable()
-        while not stop.is_set():
+        while not ctx.stop.is_set():
             try:
                 if r.random() < 0.6:
                     rec.op("compactions", len(shard.compact()))
                 else:
-                    shard.gc()  # with the orphan sweep
+                    collected[r.choice(ctx.shards)].gc()  # with the orphan sweep
                     rec.op("gcs")
             except PartNotFound as e:
                 # A compaction that lost its race to GC says so (applied=False); a missing
                 # part of batches still in state is lost data.
                 rec.violation(f"maintenance: compaction found a committed part missing: {e}")
-            except PersistError:
-                rec.op("maintenance_errors")
-            stop.wait(r.uniform(0.01, 0.1))
+            except PersistError as e:
+                rec.op("maintenance_errors_" + type(e).__name__)
+            ctx.stop.wait(r.uniform(0.01, 0.1))
         fc.consensus.on_lost_reply = None
 
-    replace_acks: list[tuple[int, int | None, bool, bool]] = []
-    """Per replace write: (key, landed time if a Committed said, acked, indeterminate)."""
-    replace_seen: list[tuple[int, int | None]] = []
-    """Per replace snapshot: (as_of, the one write it shows, or None)."""
 
-    def replacer_thread() -> None:
-        fc = faulty(rng_seeds["replace"])
-        r = random.Random(rng_seeds["replace"])
-        writer = fc.client.open_shard(shard_name + "-replaced").writer("replacer")
+class SlowWriter(WriterPiece):
+    """A writer that stages every part in Blob, waits up to 3/4 of the orphan sweep's grace,
+    then commits: the sweep races it (commits meet StagedPartsExpired, then it stages
+    again)."""
+
+    slow_stage_s = GRACE_S * 0.75
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, SLOW_INDEX, "slow-writer")
+
+    def client(self) -> FaultyClient:
+        """Every part in Blob, where sweeps reach."""
+        return self.ctx.client(
+            self.name,
+            sabotaged=True,
+            config=lambda c: dataclasses.replace(c, inline_write_max_bytes=1),
+        )
+
+
+class Replacer(Piece):
+    """A second shard whose every write replaces its contents, and a reader of it.
+
+    Each snapshot must show exactly the newest replace at its time: a write
+    that was not acknowledged only if its outcome was unknown; never a mix,
+    never an older write than one acknowledged at or before its time. The
+    final state must hold a few references per replace (it once doubled them
+    with each).
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "replace")
+        self.shard_name = ctx.shard_name + "-replaced"
+        self.acks: list[tuple[int, int | None, bool, bool]] = []
+        """Per replace write: (key, landed time if a Committed said, acked, indeterminate)."""
+        self.seen: list[tuple[int, int | None]] = []
+        """Per replace snapshot: (as_of, the one write it shows, or None)."""
+
+    def setup(self) -> None:
+        """Create the shard (with the main shard's retention, so its reader's since keeps it
+        small) and an empty batch [0, 1), so every snapshot has a time."""
+        with reliable_client(self.ctx.loc) as setup:
+            shard = setup.open_shard(self.shard_name, SCHEMA, retention_ms=RETENTION_MS)
+            shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+        self.ctx.shards.append(self.shard_name)
+
+    def loops(self) -> dict[str, Callable[[], None]]:
+        """The replacing writer and its reader."""
+        return {"replacer": self.write, "replace-reader": self.read}
+
+    def write(self) -> None:
+        """Replace the shard's contents with each write until the run stops."""
+        ctx, rec = self.ctx, self.ctx.rec
+        fc = ctx.client("replacer")
+        r = random.Random(ctx.seed_for("replacer"))
+        writer = fc.client.open_shard(self.shard_name).writer("replacer")
         fc.enable()
-        upper = _retry(writer.fetch_upper, stop.is_set, hard_s=FINISH_TIMEOUT_S)
+        upper = _retry(writer.fetch_upper, hard_s=FINISH_TIMEOUT_S)
         number = 0
-        while not stop.is_set():
+        while not ctx.stop.is_set():
             number += 1
             key = REPLACE_INDEX * KEY_PER_WRITER + number
             data = pa.table({"v": write_values(key)}, schema=SCHEMA)
             before = fc.consensus.indeterminate_cas()
             landed: int | None = None
             acked = False
-            while not stop.is_set():
+            while not ctx.stop.is_set():
                 rec.op("replace_attempts")
                 try:
                     builder = writer.builder()
@@ -1100,18 +1572,22 @@ def _run(
                 acked = True
                 upper = res.upper
                 break
-            replace_acks.append((key, landed, acked, fc.consensus.indeterminate_cas() > before))
+            self.acks.append((key, landed, acked, fc.consensus.indeterminate_cas() > before))
             rec.op("replaces_acked" if acked else "replaces_abandoned")
 
-    def replace_reader_thread() -> None:
-        fc = faulty(rng_seeds["replace-reader"], reader=True)
-        r = random.Random(rng_seeds["replace-reader"])
-        reader = fc.client.open_shard(shard_name + "-replaced").reader("replace-reader")
+    def read(self) -> None:
+        """Snapshot the shard at random times until the run stops; each shows one write."""
+        ctx, rec = self.ctx, self.ctx.rec
+        fc = ctx.client("replace-reader", reader=True)
+        r = random.Random(ctx.seed_for("replace-reader"))
+        reader = fc.client.open_shard(self.shard_name).reader("replace-reader")
         fc.enable()
-        while not stop.is_set():
+        while not ctx.stop.is_set():
             try:
                 latest = reader.latest_as_of()
-                as_of = r.randint(min(reader.since, latest), latest)
+                as_of = recent_as_of(reader, latest, r, rec)
+                if as_of is None:
+                    continue
                 table = reader.snapshot_table(as_of)
             except PartNotFound as e:
                 rec.violation(f"replace-reader: leased snapshot failed: {e}")
@@ -1124,144 +1600,218 @@ def _run(
                 rec.violation(
                     f"replace-reader: snapshot as_of {as_of} mixes replaced writes {sorted(keys)}"
                 )
-            replace_seen.append((as_of, max(keys) if keys else None))
+            self.seen.append((as_of, max(keys) if keys else None))
             rec.op("replace_snapshots")
-            if r.random() < 0.3:
-                with contextlib.suppress(Determinate, Indeterminate):
-                    reader.downgrade_since(r.randint(reader.since, as_of))
             time.sleep(r.uniform(0, 0.01))
         with contextlib.suppress(PersistError):
             reader.close()
 
-    def slow_writer_thread() -> None:
-        seed = rng_seeds["slow"]
-        config = dataclasses.replace(worker_config(random.Random(seed)), inline_write_max_bytes=1)
-        fc = FaultyClient(loc, seed, config, sabotage)  # every part in Blob, where sweeps reach
-        clients.append(fc)
-        out = write_loop(
-            fc,
-            shard_name,
-            SLOW_INDEX,
-            rng_seeds["slow"],
-            stop,
-            rec.op,
-            rec.violation,
-            sabotage=sabotage,
-            slow_stage_s=GRACE_S * 0.75,
-        )
-        with records_lock:
-            records.extend(out)
-
-    rng_seeds = {
-        name: rng.randrange(1 << 31)
-        for name in [
-            *(f"w{i}" for i in range(n_writers)),
-            *(f"r{i}" for i in range(n_readers)),
-            *(f"p{i}" for i in range(n_processes)),
-            "listen",
-            "maint",
-            "replace",
-            "replace-reader",
-            "slow",
-        ]
-    }
-    threads = [
-        threading.Thread(
-            target=guard(f"writer-{i}", functools.partial(writer_thread, i)),
-            name=f"check-writer-{i}",
-        )
-        for i in range(n_writers)
-    ]
-    threads += [
-        threading.Thread(
-            target=guard(f"reader-{i}", functools.partial(reader_thread, i)),
-            name=f"check-reader-{i}",
-        )
-        for i in range(n_readers)
-    ]
-    threads.append(threading.Thread(target=guard("maintenance", maintenance_thread)))
-    threads += [
-        threading.Thread(target=guard(name, fn), name=f"check-{name}")
-        for name, fn in (
-            ("replacer", replacer_thread),
-            ("replace-reader", replace_reader_thread),
-            ("slow-writer", slow_writer_thread),
-        )
-    ]
-    listener = threading.Thread(target=guard("listen", listen_thread), name="check-listen")
-
-    procs: list[multiprocessing.process.BaseProcess] = []
-    out_q: Any = None
-    if n_processes:
-        ctx = multiprocessing.get_context("spawn")
-        out_q = ctx.Queue()
-        for i in range(n_processes):
-            idx = n_writers + i
-            procs.append(
-                ctx.Process(
-                    target=_process_writer,
-                    args=(loc, shard_name, idx, rng_seeds[f"p{i}"], duration_s, sabotage, out_q),
-                    name=f"check-process-{idx}",
+    def verify(self) -> None:
+        """Each snapshot showed the newest replace at its time; the final state is small."""
+        rec = self.ctx.rec
+        rec.op("replace_writes_checked", len(self.acks))
+        rec.op("replace_snapshots_checked", len(self.seen))
+        landed = sorted((t, key) for key, t, acked, _ in self.acks if acked and t is not None)
+        times = [t for t, _ in landed]
+        for as_of, key in self.seen:
+            i = bisect.bisect_right(times, as_of)
+            if i and (key is None or key < landed[i - 1][1]):
+                rec.violation(
+                    f"replace-reader: snapshot as_of {as_of} shows write {key}, older than write "
+                    f"{landed[i - 1][1]} acknowledged at time {landed[i - 1][0]}"
                 )
+        shown = [key for _, key in sorted(self.seen) if key is not None]
+        if any(b < a for a, b in zip(shown, shown[1:], strict=False)):
+            rec.violation("replace-reader: a later as_of showed an older replaced write")
+        with reliable_client(self.ctx.loc) as check:
+            shard = check.open_shard(self.shard_name)
+            with shard.reader("final-replace-check") as reader:
+                state = shard.state()
+                final = snapshot_keys(reader.snapshot_table(state.upper - 1), "final", 0, rec)
+        acked = [key for key, _, ok, _ in self.acks if ok]
+        maybe = {key for key, _, ok, unknown in self.acks if not ok and unknown}
+        if acked and (len(final) != 1 or (max(final) != max(acked) and max(final) not in maybe)):
+            rec.violation(
+                f"replaced shard ends with writes {sorted(final)}, last acked {max(acked)}"
             )
-    # The listener registers before any other reader starts, so its hold keeps since at 0
-    # until it listens (a reader downgrading first could move since past 0).
-    listen_fc = faulty(rng_seeds["listen"], reader=True)
-    listen_reader = listen_fc.client.open_shard(shard_name).reader("listener")
-    listen_setup.extend([listen_fc, listen_reader, listen_reader.listen(0)])
-    listener.start()
-    for p in procs:
-        p.start()
+        refs = sum(len(b.parts) for b in state.batches.values())
+        if refs > 3 * len(self.acks) + 16:
+            rec.violation(
+                f"replaced shard holds {refs} part references after {len(self.acks)} replaces"
+            )
+
+
+FAULTS: dict[str, Callable[[Context], Piece]] = {
+    "maintenance": Maintainer,
+    "slow-writer": SlowWriter,
+    "replace": Replacer,
+}
+"""The fault menu: each entry builds one named piece of the run (``--faults`` picks)."""
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def guarded(rec: Recorder, name: str, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with a crash turned into a violation naming ``name`` (a crashed loop fails the
+    run)."""
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - a crashed worker is a failed run
+            rec.op("worker_crashes")
+            rec.violation(f"{name} crashed: {type(e).__name__}: {e}")
+
+    return body
+
+
+def run(
+    seed: int | None = None,
+    duration_s: float = 10.0,
+    writers: int = 4,
+    processes: int = 0,
+    backend: str = "mem",
+    *,
+    readers: int = 2,
+    sabotage: str | None = None,
+    root: str | None = None,
+    location: Location | None = None,
+    target_ops: int | None = None,
+    faults: Sequence[str] | None = None,
+    progress_s: float | None = None,
+) -> Report:
+    """Run the workload for ``duration_s`` and verify its history; see the module doc.
+
+    ``location`` runs it there instead of a fresh ``backend`` location.
+    ``target_ops`` ends the workload early once about that many operations
+    (acknowledged or abandoned writes, snapshots, listen events, replaces)
+    are done; ``duration_s`` stays the cap. ``faults`` names the fault
+    pieces to run (default: all of :data:`FAULTS`). ``progress_s`` prints
+    the operations done and their rate on stderr that often.
+    """
+    if seed is None:
+        seed = random.SystemRandom().randrange(1 << 31)
+    if sabotage is not None and sabotage not in SABOTAGE:
+        raise ValueError(f"unknown sabotage {sabotage!r}: use one of {', '.join(SABOTAGE)}")
+    fault_names = list(FAULTS) if faults is None else list(faults)
+    unknown = [f for f in fault_names if f not in FAULTS]
+    if unknown:
+        raise ValueError(f"unknown fault kinds {unknown}: use some of {', '.join(FAULTS)}")
+    if processes and backend == "mem" and location is None:
+        raise ValueError(
+            "writer processes need a shared location: use file-sqlite or file-postgres, not mem"
+        )
+    where = backend if location is None else f"{location.blob_uri} + {location.consensus_uri}"
+    report = Report(seed=seed, backend=where, sabotage=sabotage)
+    rec = Recorder(report)
+    loc = location or make_location(backend, root)
+    ctx = Context(
+        loc,
+        f"check-{seed}-{uuid.uuid4().hex[:8]}",
+        seed,
+        rec,
+        History(rec),
+        duration_s=duration_s,
+        sabotage_name=sabotage,
+    )
+    ctx.shards.append(ctx.shard_name)
+    started = time.monotonic()
+    try:
+        with ctx.sabotage.patch() if ctx.sabotage else contextlib.nullcontext():
+            pieces: list[Piece] = [WriterPiece(ctx, i) for i in range(writers)]
+            pieces += [ProcessWriter(ctx, writers + i) for i in range(processes)]
+            pieces += [SnapshotReader(ctx, i) for i in range(readers)]
+            pieces += [FAULTS[name](ctx) for name in fault_names]
+            _run(ctx, pieces, duration_s, target_ops, progress_s)
+    finally:
+        for fc in ctx.clients:
+            report.faults.update(fc.faults())
+            fc.close()
+        if loc.cleanup:
+            shutil.rmtree(loc.cleanup, ignore_errors=True)
+    report.duration_s = time.monotonic() - started
+    return report
+
+
+def _run(
+    ctx: Context,
+    pieces: Sequence[Piece],
+    duration_s: float,
+    target_ops: int | None,
+    progress_s: float | None,
+) -> None:
+    """Set up, run the pieces and the listener until the budget is spent, then verify."""
+    # Setup, reliable: the shard with its retention, and an empty batch [0, 1) so a listen
+    # from 0 sees every write.
+    with reliable_client(ctx.loc) as setup:
+        shard = setup.open_shard(ctx.shard_name, SCHEMA, retention_ms=RETENTION_MS)
+        shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+    listener = Listener(ctx)
+    for piece in pieces:
+        piece.setup()
+    threads = [
+        threading.Thread(target=guarded(ctx.rec, name, body), name=f"check-{name}")
+        for piece in pieces
+        for name, body in piece.loops().items()
+    ]
+    listener.thread.start()
     for t in threads:
         t.start()
-    ends = time.monotonic() + duration_s
-    live = ("writes_acked", "writes_abandoned", "snapshots", "listen_events", "replace_snapshots")
-    while not stop.wait(max(0.0, min(1.0, ends - time.monotonic()))):
-        done = sum(report.ops[k] for k in live) + report.ops["replaces_acked"]
-        if time.monotonic() >= ends or (target_ops is not None and done >= target_ops):
-            break
-    stop.set()
-    proc_results: list[dict[str, Any]] = []
-    for _ in procs:
-        try:
-            proc_results.append(out_q.get(timeout=FINISH_TIMEOUT_S + duration_s + 30))
-        except queue.Empty:
-            rec.violation("a writer process reported nothing (crashed or hung)")
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    _wait(ctx, duration_s, target_ops, progress_s)
+    ctx.stop.set()
+    deadline = time.monotonic() + FINISH_TIMEOUT_S + 70
     for t in threads:
-        t.join(timeout=FINISH_TIMEOUT_S)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
         if t.is_alive():
-            rec.violation(f"{t.name} did not finish")
-    for res in proc_results:
-        if "error" in res:
-            rec.violation(f"writer process {res['index']} failed: {res['error']}")
-            continue
-        records.extend(WriteRecord(**r) for r in res["records"])
-        report.ops.update(res["ops"])
-        report.faults.update(res["faults"])
-        for v in res["violations"]:
-            rec.violation(f"process {res['index']}: {v}")
-    rec.op("writer_processes", len(proc_results))
+            ctx.rec.violation(f"{t.name} did not finish")
 
-    # Verification, faults off: the final state and snapshot through a reliable client. The
-    # clients' background maintenance keeps compacting and collecting, so the final state is
-    # read under a lease (a reader registered first), like any other read.
-    for fc in clients:
+    # Verification, faults off. The clients' background maintenance keeps compacting and
+    # collecting, so the final state is read under a lease, like any other read.
+    for fc in ctx.clients:
         fc.enable(False)
-    for fc in clients:
+    for fc in ctx.clients:
         fc.client.maintenance.wait_idle(10)
-    with PersistClient(
-        open_blob(loc.blob_uri), open_consensus(loc.consensus_uri), cache=StateCache()
-    ) as check:
-        shard = check.open_shard(shard_name)
+    _verify_shard(ctx, listener)
+    _verify_writes(ctx, listener.done.is_set())
+    for piece in pieces:
+        guarded(ctx.rec, f"{piece.name} verification", piece.verify)()
+
+
+def _wait(
+    ctx: Context, duration_s: float, target_ops: int | None, progress_s: float | None
+) -> None:
+    """Wait out the workload: ``duration_s``, or until ``target_ops`` operations are done;
+    every ``progress_s`` print how many and how fast."""
+    report = ctx.rec.report
+    started = time.monotonic()
+    ends = started + duration_s
+    shown_at, shown_ops = started, 0
+    while not ctx.stop.wait(max(0.0, min(1.0, ends - time.monotonic()))):
+        now, done = time.monotonic(), report.live_ops()
+        if progress_s and now - shown_at >= progress_s:
+            print(
+                f"[check] {now - started:.0f}s: {done} operations, "
+                f"{(done - shown_ops) / (now - shown_at):.1f}/s in the last {now - shown_at:.0f}s,"
+                f" upper {ctx.history.frontier}, {report.violation_count} violations",
+                file=sys.stderr,
+                flush=True,
+            )
+            shown_at, shown_ops = now, done
+        if now >= ends or (target_ops is not None and done >= target_ops):
+            return
+
+
+def _verify_shard(ctx: Context, listener: Listener) -> None:
+    """The final state and snapshot, read reliably, against the history (once the listen has
+    read up to the final upper)."""
+    rec, history = ctx.rec, ctx.history
+    with reliable_client(ctx.loc) as check:
+        shard = check.open_shard(ctx.shard_name)
         final_reader = shard.reader("final-check")
         state = shard.state()
-        report.final_upper = state.upper
-        final_upper_box.append(state.upper)
-        listener.join(timeout=FINISH_TIMEOUT_S + 10)
+        rec.report.final_upper = state.upper
+        listener.finish(state.upper)
         try:
             state.check_invariants()
         except CorruptData as e:
@@ -1280,51 +1830,89 @@ def _run(
     left = history.flush()
     if left:
         rec.op("snapshots_unchecked", left)
-    listened = frozenset(history.time_of)
-    if listen_done.is_set() and listened != final_keys:
+    if listener.done.is_set() and history.live != final_keys:
         rec.violation(
             f"listen output differs from the final snapshot: only listened "
-            f"{sorted(listened - final_keys)[:10]}, only in snapshot "
-            f"{sorted(final_keys - listened)[:10]}"
+            f"{sorted(history.live - final_keys)[:10]}, only in snapshot "
+            f"{sorted(final_keys - history.live)[:10]}"
         )
-    times = dict(history.time_of) if listen_done.is_set() else {}
-    seen_keys: set[int] = set()
-    for w in records:
-        rec.op("writes_checked")
-        seen_keys.add(w.key)
-        present = w.key in final_keys
-        if w.acked and not present:
-            rec.violation(f"acknowledged write {w.key} is lost ({w})")
-        elif not w.acked and present and not w.indeterminate:
-            rec.violation(f"write {w.key} failed determinately yet appears ({w})")
-        elif not w.acked and present:
-            rec.op("unacked_writes_that_landed")
-        landed = times.get(w.key)
+
+
+def _verify_writes(ctx: Context, listen_done: bool) -> None:
+    """Every write against the history: acknowledged ones landed once, at a time they were
+    attempted at, with their retraction; others only after an unknown outcome; and nothing
+    landed or was retracted that no writer asked for.
+
+    A write the listen has not passed every attempt of (it stopped early: a violation of
+    its own) is left unchecked.
+    """
+    rec, history = ctx.rec, ctx.history
+    time_of, retracted_at = history.time_of, history.retracted_at
+    attempted: set[int] = set()
+    by_time: dict[int, WriteRecord] = {}
+    for w in ctx.records:
+        attempted.add(w.key)
+        landed = time_of.get(w.key)
         if landed is not None:
-            if landed not in w.candidates:
-                rec.violation(f"write {w.key} landed at time {landed}, never attempted there ({w})")
-            elif w.landed_at is not None and landed != w.landed_at:
-                rec.violation(f"write {w.key} committed at {w.landed_at} but is at time {landed}")
-    for key in sorted(final_keys - seen_keys)[:MAX_DETAILS]:
+            by_time[landed] = w
+        if not listen_done and w.candidates and max(w.candidates) >= history.frontier:
+            rec.op("writes_unchecked")
+            continue
+        rec.op("writes_checked")
+        if w.acked and landed is None:
+            rec.violation(f"acknowledged write {w.key} is lost ({w})")
+        elif not w.acked and landed is not None and not w.indeterminate:
+            rec.violation(f"write {w.key} failed determinately yet appears ({w})")
+        elif not w.acked and landed is not None:
+            rec.op("unacked_writes_that_landed")
+        if landed is None:
+            continue
+        if landed not in w.candidates:
+            rec.violation(f"write {w.key} landed at time {landed}, never attempted there ({w})")
+        elif w.landed_at is not None and landed != w.landed_at:
+            rec.violation(f"write {w.key} committed at {w.landed_at} but is at time {landed}")
+        if w.retracts is not None and retracted_at.get(w.retracts) != landed:
+            rec.violation(
+                f"write {w.key} landed at time {landed} but its retraction of write "
+                f"{w.retracts} is at {retracted_at.get(w.retracts)}"
+            )
+    for key in sorted(set(time_of) - attempted)[:MAX_DETAILS]:
         rec.violation(f"write {key} appears but no writer attempted it")
-    _check_replaces(loc, shard_name + "-replaced", replace_acks, replace_seen, rec)
-    if errors:
-        rec.op("worker_crashes", len(errors))
+    for key, t in sorted(retracted_at.items()):
+        by = by_time.get(t)
+        if by is not None and by.retracts != key:
+            rec.violation(f"write {key} retracted at time {t}, where write {by.key} landed")
+        elif by is None and key in attempted:
+            rec.violation(f"write {key} retracted at time {t}, where no write landed")
 
 
 DESCRIPTION = (
     "Check that persist never loses or duplicates a committed update: for --seconds, writers "
-    "(threads, and --processes), snapshot readers, a listener, compaction and GC run at once "
-    "against Blob and Consensus wrappers that inject faults (lost replies, refused calls, "
-    "timeouts, slowness); then every acknowledged write must appear exactly once, every "
-    "snapshot must equal the reference history at its time, uppers must only advance and no "
-    "leased read may hit a deleted part. The location is a fresh --backend one, or the one "
-    "--blob and --consensus name (the check's shard, check-SEED-..., is left there). Exit "
-    "status 1 on any violation; --seed replays a run."
+    "(threads, and --processes) that also retract their older writes, snapshot readers, a "
+    "listener, compaction and GC run at once against Blob and Consensus wrappers that inject "
+    "faults (lost replies, refused calls, timeouts, slowness); then every acknowledged write "
+    "must appear exactly once, every snapshot must equal the reference history at its time, "
+    "uppers must only advance and no leased read may hit a deleted part. The location is a "
+    "fresh --backend one, or the one --blob and --consensus name (the check's shard, "
+    "check-SEED-..., is left there). Exit status 1 on any violation; --seed replays a run."
 )
 BACKEND_NAMES = {"mem-mem": "mem", **{b: b for b in BACKENDS}}
 """What ``--backend`` accepts: every backend, and ``mem-mem`` (Blob-Consensus, as the
 benchmarks name locations) for ``mem``."""
+
+
+def fault_list(text: str) -> list[str]:
+    """``--faults``: comma-separated names from :data:`FAULTS`, or ``none``."""
+    if text.strip().lower() == "none":
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault kinds {', '.join(unknown)}: use some of {', '.join(FAULTS)} "
+            "(comma-separated), or none"
+        )
+    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1342,6 +1930,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", type=int, default=0, help="writer processes (spawned)")
     parser.add_argument("--readers", type=int, default=2, help="snapshot reader threads")
     parser.add_argument(
+        "--faults",
+        type=fault_list,
+        default=None,
+        metavar="KIND,...",
+        help=f"the fault kinds to run (default all: {','.join(FAULTS)}; or none)",
+    )
+    parser.add_argument(
         "--backend",
         choices=sorted(BACKEND_NAMES),
         default=None,
@@ -1353,9 +1948,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sabotage",
-        choices=SABOTAGE,
+        choices=list(SABOTAGE),
         default=None,
         help="inject a deliberate bug (to see the checker catch it)",
+    )
+    parser.add_argument(
+        "--progress",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="print the operations done and their rate on stderr this often",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
@@ -1406,6 +2008,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
         sabotage=ns.sabotage,
         location=location,
         target_ops=ns.ops,
+        faults=ns.faults,
+        progress_s=ns.progress,
     )
     if ns.json:
         import json
