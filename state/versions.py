@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from .blob import Blob
 from .consensus import Consensus, VersionedData
-from .diff import TOMBSTONE, decode, encode, full_diff, row_checksum
+from .diff import FENCE, TOMBSTONE, decode, encode, full_diff, row_checksum
 from .errors import CorruptData
 from .state import EMPTY_STATE, ShardState
 
@@ -129,6 +129,10 @@ def load_state(
         rows = consensus.scan(shard_id, 0)
         if not rows or rows[-1].data == TOMBSTONE:
             return None
+        if rows[-1].data == FENCE:
+            # Being dropped: its rollups may be deleted already, so the oldest row may have
+            # none; the fence says what there is to know.
+            decode(rows[-1].data, where=f"consensus row {shard_id!r} SeqNo {rows[-1].seqno}")
         start = history_start(shard_id, rows, blob)
         if start is None:
             continue  # GC truncated past the oldest row and deleted its rollup meanwhile

@@ -177,6 +177,32 @@ def test_a_drop_that_died_after_fencing_reads_as_dropped_and_finishes_when_rerun
     assert_dropped(client, shard_name)
 
 
+def test_a_drop_in_progress_reads_as_dropped_after_its_blob_step(
+    client: PersistClient, shard_name: str
+) -> None:
+    """Steps 1 and 2 of a drop done (the fence; Blob emptied, rollups too), the tombstone
+    not yet: a process opening the shard learns it is being dropped, and a handle opened
+    before gets ShardDropped. Before, a shard whose history starts at a rollup (GC truncated
+    Consensus below it) looked ten times for that rollup, deleted by step 2, and failed
+    with CorruptData (found by persist check's drop fault kind)."""
+    populate(client, shard_name, writes=4)
+    shard = client.open_shard(shard_name)
+    writer = shard.writer("w")
+    shard.gc()
+    rows = client.consensus.scan(shard_name, 0)
+    assert rows[0].seqno > 1  # the history starts at a rollup
+    fence = VersionedData(rows[-1].seqno + 1, FENCE)
+    client.consensus.compare_and_set(shard_name, rows[-1].seqno, fence)
+    for meta in list(client.blob.list_keys(f"{shard_name}/")):
+        client.blob.delete(meta.key)
+    with pytest.raises(ShardNotFound):
+        reopened(client).open_shard(shard_name)
+    with pytest.raises(ShardNotFound, match="being dropped"):  # the name stays taken
+        reopened(client).open_shard(shard_name, SCHEMA)
+    with pytest.raises(ShardDropped):
+        writer.fetch_upper()
+
+
 def test_a_drop_that_died_before_truncating_reads_as_dropped_and_the_name_is_free(
     client: PersistClient, shard_name: str
 ) -> None:
