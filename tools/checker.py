@@ -58,7 +58,36 @@ all run), each a named :class:`Piece`:
 - ``replace`` (:class:`Replacer`): a writer and a reader on a second shard:
   every write replaces the shard's contents; snapshots at random ``as_of``
   must show exactly one write, never an older one than was acknowledged by
-  then, and the state must hold only a few part references per replace.
+  then, and the state must hold only a few part references per replace;
+- ``drop`` (:class:`DropRecreate`): a shard of its own with a writer and a
+  listen, dropped (forced, as ``persist shards drop --force``) and created
+  again under its name every 0.5-2 s while they run. A handle of a dropped
+  incarnation (the writer tries its old one now and then) is never
+  acknowledged again, a listen reads only its own incarnation's writes and
+  ends with ShardDropped, and the last incarnation holds exactly its own
+  acknowledged writes;
+- ``resend`` (:class:`Resender`): two-phase writes without a token on a
+  shard of its own, whose lost replies reach the caller; after Indeterminate
+  the caller resends the same StagedBatch. Every landed write stays readable
+  (no PartNotFound) and none lands twice;
+- ``abort`` (:class:`SinkAborter`): the sink's protocol on a shard of its
+  own: a commit whose attempt is held in flight (:class:`LateConsensus`),
+  ``abandon_staged`` from another client (the sink's ``abort``), the held
+  attempt reaching the store afterwards or not, the micro-batch replayed
+  with its token. Reads never fail with PartNotFound; the batch lands once;
+- ``short-grace`` (:class:`ShortGrace`): a writer on a short
+  ``staged_part_grace_s`` (``SHORT_GRACE_S``, and the matching
+  ``retry_timeout_s``) over a Consensus with outages
+  (:class:`BlipConsensus`), while a sweeper runs the orphan sweep in a loop:
+  no acknowledged commit references a swept part;
+- ``pushes`` (:class:`PushedListen`): a writer and a listener with PubSub (an
+  in-process server) whose transport drops pushes at random
+  (:class:`DroppingPublisher`): the listen reads every commit in order,
+  once, within ``PUSH_STALE_S`` of its acknowledgement.
+
+The resend, abort and short-grace pieces share :class:`ModelShard`: the
+piece is its shard's one writer, so it knows exactly which writes landed and
+checks leased snapshots against that.
 
 What is checked (each failure is a *violation* with details):
 
@@ -120,26 +149,33 @@ from typing import Any
 
 import pyarrow as pa
 
+from pyspark_persist.pubsub.grpc_client import GrpcPublisher
 from pyspark_persist.state import (
     DIFF,
     TIME,
     AlreadyCommitted,
+    AppendResult,
     Committed,
     ListenEvent,
     PersistClient,
     PersistConfig,
     ReadHandle,
+    StagedBatch,
     UpperMismatch,
+    WriteHandle,
 )
+from pyspark_persist.state import write as staged_writes
 from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import (
+    CaSCommitted,
     CaSResult,
     Consensus,
     SeqNo,
     VersionedData,
     open_consensus,
 )
+from pyspark_persist.state.drop import drop_shard
 from pyspark_persist.state.errors import (
     CorruptData,
     Determinate,
@@ -148,9 +184,15 @@ from pyspark_persist.state.errors import (
     InvalidUsage,
     PartNotFound,
     PersistError,
+    ShardDropped,
+    ShardNotFound,
+    StagedPartsExpired,
+    StoreUnavailable,
 )
 from pyspark_persist.state.logs import configure as configure_logs
+from pyspark_persist.state.machine import DiffPublisher
 from pyspark_persist.state.registry import blob_kind, consensus_kind
+from pyspark_persist.state.staging import delete_staged
 from pyspark_persist.state.unreliable import (
     BLOB_OPS,
     FAULT_KINDS,
@@ -183,6 +225,9 @@ SLOW_INDEX = 800
 """Writer index of the slow writer (stages, waits, commits), whose parts the sweep races."""
 REPLACE_INDEX = 900
 """Writer index of the replacer, which replaces a second shard's contents with each write."""
+DROP_INDEX, RESEND_INDEX, ABORT_INDEX, GRACE_INDEX, PUSH_INDEX = 910, 920, 930, 940, 950
+"""Writer indexes of the pieces on shards of their own (drop, resend, abort, short-grace,
+pushes): their keys name them."""
 LIVE_OPS = (
     "writes_acked",
     "writes_abandoned",
@@ -190,6 +235,12 @@ LIVE_OPS = (
     "listen_events",
     "replace_snapshots",
     "replaces_acked",
+    "drop_writes_acked",
+    "drop_listen_events",
+    "resend_writes_landed",
+    "abort_writes_landed",
+    "grace_writes_landed",
+    "pushed_writes_acked",
 )
 """The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
 after it is :attr:`Report.operations_checked`)."""
@@ -308,6 +359,102 @@ def old_compaction_cleanup() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def resend_deletes_landed() -> Iterator[None]:
+    """A refused commit of a caller's StagedBatch gives its parts up as before issue 33: it
+    deletes whatever its own call cannot have committed, which after a resend is every
+    part, although the first send, whose reply was lost, landed them."""
+    from unittest import mock
+
+    def old_give_up(self: WriteHandle, parts: Sequence[Any], info: Any, staged_here: bool) -> None:
+        machine = self._machine
+        delete_staged(machine.blob, staged_writes.never_committed(machine, parts, info))
+
+    with mock.patch.object(WriteHandle, "_give_up", old_give_up):
+        yield
+
+
+@contextlib.contextmanager
+def abort_without_fence() -> Iterator[None]:
+    """The sink's abort as before issue 33: delete what no state references *now*, without
+    fencing off an attempt still in flight (which may land afterwards)."""
+    from unittest import mock
+
+    def old_abandon(machine: Any, parts: Sequence[Any]) -> list[Any]:
+        doomed = staged_writes.unreferenced(machine, parts)
+        delete_staged(machine.blob, doomed)
+        return doomed
+
+    with mock.patch.object(staged_writes, "abandon_staged", old_abandon):
+        yield
+
+
+@contextlib.contextmanager
+def check_staged_once() -> Iterator[None]:
+    """Staged parts checked on a commit's first attempt only, and a retry window past half
+    the grace (which PersistConfig accepted before issue 33): a commit that retries
+    through an outage lands after the sweep took its parts."""
+    from unittest import mock
+
+    checked: collections.OrderedDict[int, object] = collections.OrderedDict()
+    real = staged_writes.check_staged
+
+    def first_attempt_only(machine: Any, parts: Sequence[Any]) -> None:
+        if id(parts) in checked:  # the same commit's list of parts: a retry
+            return
+        checked[id(parts)] = parts  # kept alive, so its id is not reused
+        while len(checked) > 1000:
+            checked.popitem(last=False)
+        real(machine, parts)
+
+    base = short_grace_config
+
+    def long_retries(c: PersistConfig) -> PersistConfig:
+        config = base(c)
+        object.__setattr__(config, "retry_timeout_s", 3 * SHORT_GRACE_S)
+        return config
+
+    with (
+        mock.patch.object(staged_writes, "check_staged", first_attempt_only),
+        mock.patch.object(sys.modules[__name__], "short_grace_config", long_retries),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def incarnation_ignored() -> Iterator[None]:
+    """A machine that computes on whatever state Consensus holds under the name, as before
+    issue 33: a handle or listen of a dropped shard goes on in the one created again."""
+    from unittest import mock
+
+    from pyspark_persist.state.machine import Machine
+
+    def any_incarnation(self: Any, state: Any) -> Any:
+        if self._incarnation is None:
+            self._incarnation = state.incarnation
+        return state
+
+    with mock.patch.object(Machine, "_own", any_incarnation):
+        yield
+
+
+@contextlib.contextmanager
+def pushes_trusted() -> Iterator[None]:
+    """A listen that trusts PubSub while it looks healthy and never polls Consensus then:
+    a commit whose push was lost stays hidden until the next push."""
+    from unittest import mock
+
+    from pyspark_persist.state.read import Listen
+
+    real = Listen._next_poll_delay
+
+    def never_while_pushed(self: Any) -> float:
+        return 3600.0 if self._machine.shared.push_healthy else float(real(self))
+
+    with mock.patch.object(Listen, "_next_poll_delay", never_while_pushed):
+        yield
+
+
 def _lost_replies_reach_caller(config: PersistConfig) -> PersistConfig:
     """The writers' config under ``fresh_tokens``: every lost reply reaches the (buggy) caller."""
     return dataclasses.replace(config, retry_timeout_s=1e-9)
@@ -362,6 +509,37 @@ SABOTAGE: dict[str, Sabotage] = {
         patch=old_compaction_cleanup,
         seconds=15.0,
         attempts=6,
+    ),
+    "resend_deletes_landed": Sabotage(
+        "a refused resend of a StagedBatch deletes its staged parts, which the landed first "
+        "attempt references",
+        caught_by=("resend: leased snapshot failed", "resend: final", "missing from blob"),
+        patch=resend_deletes_landed,
+    ),
+    "abort_without_fence": Sabotage(
+        "the sink's abort deletes staged parts no state references yet, while a commit "
+        "attempt is still in flight and lands afterwards",
+        caught_by=("abort: leased snapshot failed", "abort: final", "missing from blob"),
+        patch=abort_without_fence,
+    ),
+    "check_staged_once": Sabotage(
+        "a commit checks its staged parts on the first attempt only and retries past half "
+        "the grace, so it lands after the orphan sweep took them",
+        caught_by=("grace: leased snapshot failed", "grace: final", "missing from blob"),
+        patch=check_staged_once,
+    ),
+    "incarnation_ignored": Sabotage(
+        "handles and listens of a dropped shard carry on in the shard created again under its name",
+        caught_by=("drop:",),
+        patch=incarnation_ignored,
+    ),
+    "pushes_trusted": Sabotage(
+        "a listen trusts PubSub while it looks healthy and never polls: a lost push hides a "
+        "commit until the next push",
+        caught_by=("pushed listen:",),
+        patch=pushes_trusted,
+        seconds=6.0,
+        attempts=2,
     ),
 }
 """Deliberate bugs the checker must detect, by ``--sabotage`` name."""
@@ -456,16 +634,20 @@ class FaultyClient:
         *,
         reader: bool = False,
         faults: StoreFaults | None = None,
+        consensus: type[TrackingConsensus] | None = None,
+        publisher: DiffPublisher | None = None,
     ) -> None:
         blob_faults, cons_faults = faults or default_faults(seed, reader=reader)
         blob_cls = UnreliableBlob if sabotage is None else sabotage.blob
         if sabotage is not None and sabotage.writer_config is not None:
             config = sabotage.writer_config(config)
         self.blob = blob_cls(open_blob(loc.blob_uri), blob_faults, enabled=False)
-        self.consensus = TrackingConsensus(
+        self.consensus = (consensus or TrackingConsensus)(
             open_consensus(loc.consensus_uri), cons_faults, enabled=False
         )
-        self.client = PersistClient(self.blob, self.consensus, config=config, cache=StateCache())
+        self.client = PersistClient(
+            self.blob, self.consensus, config=config, cache=StateCache(), publisher=publisher
+        )
 
     def enable(self, on: bool = True) -> None:
         """Switch faults on or off (off for setup and the final verification)."""
@@ -533,6 +715,11 @@ class Report:
             + self.ops["listen_events"]
             + self.ops["replace_writes_checked"]
             + self.ops["replace_snapshots_checked"]
+            + self.ops["drop_writes_checked"]
+            + self.ops["resend_snapshots_checked"]
+            + self.ops["abort_snapshots_checked"]
+            + self.ops["grace_snapshots_checked"]
+            + self.ops["pushed_writes_checked"]
         )
 
     def live_ops(self) -> int:
@@ -1101,11 +1288,15 @@ class Context:
         sabotaged: bool = False,
         config: Callable[[PersistConfig], PersistConfig] | None = None,
         faults: Callable[[StoreFaults], StoreFaults] | None = None,
+        consensus: type[TrackingConsensus] | None = None,
+        publisher: DiffPublisher | None = None,
+        loc: Location | None = None,
     ) -> FaultyClient:
         """A new client with faults (off until it calls ``enable``) seeded by ``name``; its
         faults are counted in the report and it is closed after the run. ``sabotaged``: it
         gets the sabotage's writer hooks. ``config`` changes its :func:`worker_config`,
-        ``faults`` its :func:`default_faults`."""
+        ``faults`` its :func:`default_faults`; ``consensus`` is its Consensus wrapper,
+        ``publisher`` its PubSub transport, ``loc`` a location of the piece's own."""
         seed = self.seed_for(name)
         cfg = worker_config(random.Random(seed))
         if config is not None:
@@ -1114,12 +1305,14 @@ class Context:
         if faults is not None:
             store_faults = faults(store_faults)
         fc = FaultyClient(
-            self.loc,
+            loc or self.loc,
             seed,
             cfg,
             self.sabotage if sabotaged else None,
             reader=reader,
             faults=store_faults,
+            consensus=consensus,
+            publisher=publisher,
         )
         with self._lock:
             self.clients.append(fc)
@@ -1641,10 +1834,862 @@ class Replacer(Piece):
             )
 
 
+# --- pieces on shards of their own: one writer, an exact model --------------------------------
+
+
+def stage(handle: WriteHandle, data: pa.Table) -> StagedBatch:
+    """``data`` staged as one batch (retrying store errors: staging under faults)."""
+
+    def once() -> StagedBatch:
+        builder = handle.builder()
+        builder.add(data)
+        return builder.finish()
+
+    return _retry(once, hard_s=FINISH_TIMEOUT_S)  # type: ignore[no-any-return]
+
+
+class ModelShard(Piece):
+    """A shard of the piece's own with one writer, so the piece knows exactly which writes
+    landed: each write inserts a numbered write and retracts the oldest of ``LIVE_WRITES``
+    (:func:`write_updates`), and every few writes a leased snapshot at the upper must hold
+    exactly the live ones, readable (no PartNotFound). Subclasses write one write in
+    :meth:`write` (returning whether it landed) on clients from :meth:`clients`."""
+
+    index = 0
+    """Writer index of the piece's writes (their keys name it)."""
+
+    def __init__(self, ctx: Context, name: str) -> None:
+        super().__init__(ctx, name)
+        self.shard_name = f"{ctx.shard_name}-{name}"
+        self.live: collections.deque[int] = collections.deque()
+        self.unknown = False
+        """The last write's outcome stayed unknown (the run stopped): the model is inexact."""
+        self.rng = random.Random(ctx.seed_for(name))
+
+    def setup(self) -> None:
+        """The shard, with retention (the reader's since keeps it small) and [0, 1)."""
+        with reliable_client(self.ctx.loc) as setup:
+            shard = setup.open_shard(self.shard_name, SCHEMA, retention_ms=RETENTION_MS)
+            shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+        self.ctx.shards.append(self.shard_name)
+
+    def clients(self) -> tuple[FaultyClient, WriteHandle]:
+        """The writer's client and handle (parts in Blob, where deletes reach)."""
+        fc = self.ctx.client(
+            self.name, config=lambda c: dataclasses.replace(c, inline_write_max_bytes=1)
+        )
+        return fc, fc.client.open_shard(self.shard_name).writer(self.name)
+
+    def write(self, handle: WriteHandle, number: int, data: pa.Table) -> bool | None:
+        """Write ``data`` as write ``number``; whether it landed (None: unknown, run over)."""
+        raise NotImplementedError
+
+    def run(self) -> None:
+        """Write, check a snapshot now and then, until the run stops."""
+        ctx, rec = self.ctx, self.ctx.rec
+        fc, handle = self.clients()
+        reader_fc = ctx.client(f"{self.name}-reader", reader=True)
+        reader = reader_fc.client.open_shard(self.shard_name).reader(self.name)
+        fc.enable()
+        reader_fc.enable()
+        number = 0
+        while not ctx.stop.is_set():
+            number += 1
+            key = self.index * KEY_PER_WRITER + number
+            retracts = self.live[0] if len(self.live) >= LIVE_WRITES else None
+            landed = self.write(handle, number, write_updates(key, retracts))
+            if landed is None:
+                self.unknown = True
+                break
+            if landed:
+                rec.op(f"{self.name}_writes_landed")
+                self.live.append(key)
+                if retracts is not None:
+                    self.live.popleft()
+            if self.rng.random() < 0.3:
+                self.check(reader)
+            ctx.stop.wait(self.rng.uniform(0.0, 0.05))
+        with contextlib.suppress(PersistError):
+            reader.close()
+
+    def check(self, reader: ReadHandle) -> None:
+        """A leased snapshot at the upper holds exactly the live writes."""
+        rec, who = self.ctx.rec, self.name
+        try:
+            latest = reader.latest_as_of()
+            if reader.since < latest:
+                reader.downgrade_since(latest)
+            table = reader.snapshot_table(latest)
+        except PartNotFound as e:
+            rec.violation(f"{who}: leased snapshot failed, a landed write's part is gone: {e}")
+            return
+        except (Determinate, Indeterminate, InvalidFrontier):
+            rec.op(f"{who}_snapshot_errors")
+            return
+        keys = snapshot_keys(table, who, latest, rec)
+        rec.op(f"{who}_snapshots_checked")
+        if keys != set(self.live):
+            rec.violation(
+                f"{who}: snapshot at {latest} holds writes {sorted(keys)}, the writer landed "
+                f"{sorted(self.live)}"
+            )
+
+    def verify(self) -> None:
+        """The final state's parts all exist and it holds exactly the live writes."""
+        rec, who = self.ctx.rec, self.name
+        with reliable_client(self.ctx.loc) as check:
+            shard = check.open_shard(self.shard_name)
+            with shard.reader("final-check") as reader:
+                state = shard.state()
+                for b in state.batches.values():
+                    for part in b.parts:
+                        if part.key is not None and check.blob.get(part.key) is None:
+                            rec.violation(
+                                f"{who}: final state references part {part.key}, missing from Blob"
+                            )
+                try:
+                    final = snapshot_keys(reader.snapshot_table(state.upper - 1), who, 0, rec)
+                except PartNotFound as e:
+                    rec.violation(f"{who}: final snapshot failed: {e}")
+                    return
+        if not self.unknown and final != set(self.live):
+            rec.violation(
+                f"{who}: the shard ends with writes {sorted(final)}, the writer landed "
+                f"{sorted(self.live)}"
+            )
+
+
+class Resender(ModelShard):
+    """Two-phase writes without a token (stage a StagedBatch, then
+    ``compare_and_append_batches``) whose client hands every lost reply to the caller as
+    Indeterminate; the caller resends the *same* StagedBatch at the same upper until the
+    answer is determinate. Being the shard's one writer, an UpperMismatch after an unknown
+    outcome means the first attempt landed: that refusal must not delete the landed
+    write's parts (issue 33 item 1), and nothing may land twice."""
+
+    index = RESEND_INDEX
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "resend")
+
+    def clients(self) -> tuple[FaultyClient, WriteHandle]:
+        """Lost replies reach the caller (the machine does not retry them)."""
+        fc = self.ctx.client(
+            self.name,
+            config=lambda c: dataclasses.replace(c, inline_write_max_bytes=1, retry_timeout_s=1e-9),
+        )
+        return fc, fc.client.open_shard(self.shard_name).writer(self.name)
+
+    def write(self, handle: WriteHandle, number: int, data: pa.Table) -> bool | None:
+        """Stage once, commit, resend the same batch after any error; landed or not."""
+        rec, violation = self.ctx.rec, self.ctx.rec.violation
+        staged = stage(handle, data)
+        upper = _retry(handle.fetch_upper, hard_s=FINISH_TIMEOUT_S)
+        uncertain = False
+        give_up = time.monotonic() + FINISH_TIMEOUT_S
+        while time.monotonic() < give_up:
+            try:
+                res = handle.compare_and_append_batches(
+                    [staged], upper, upper + 1, ts_rewrite=upper
+                )
+            except Indeterminate:
+                uncertain = True
+                rec.op("resend_after_indeterminate")
+                continue
+            except StagedPartsExpired:
+                staged = stage(handle, data)  # the upper is still ours: nothing landed
+                continue
+            except Determinate:
+                rec.op("resend_after_error")
+                continue
+            if isinstance(res, Committed):
+                return True
+            assert isinstance(res, UpperMismatch)  # no token: never AlreadyCommitted
+            if not uncertain or res.current != upper + 1:
+                violation(
+                    f"resend: write {number} refused at upper {upper} (now {res.current}), "
+                    "though only a lost reply of its own could have moved the upper"
+                )
+            rec.op("resends_found_landed")
+            return True
+        return None
+
+
+class LateConsensus(TrackingConsensus):
+    """A Consensus that can hold one compare-and-set of a thread in flight: the caller hears
+    Indeterminate at once, and the attempt reaches the store only when :meth:`land` is
+    called (a slow store, a retry on another connection), or never."""
+
+    def __init__(self, inner: Consensus, faults: Faults, *, enabled: bool = True) -> None:
+        super().__init__(inner, faults, enabled=enabled)
+        self.hold_thread: int | None = None
+        self.held: tuple[str, SeqNo | None, VersionedData] | None = None
+
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
+        """Hold the armed thread's next attempt; pass everything else on."""
+        if self.hold_thread != threading.get_ident():
+            return super().compare_and_set(key, expected, new)
+        self.hold_thread = None
+        self.held = (key, expected, new)
+        raise Indeterminate(f"compare-and-set of {key!r} at SeqNo {new.seqno} still in flight")
+
+    def land(self) -> bool:
+        """The held attempt reaches the store now; whether it landed."""
+        held, self.held = self.held, None
+        assert held is not None
+        return isinstance(self.inner.compare_and_set(*held), CaSCommitted)
+
+
+class SinkAborter(ModelShard):
+    """The sink's protocol under a commit of unknown outcome that lands late: a micro-batch
+    (token = batch number) is staged and committed; when the commit fails (often with its
+    attempt held in flight), ``abort`` runs on another client, as Spark runs it in another
+    worker (:func:`~pyspark_persist.state.write.abandon_staged`, what the sink's abort
+    calls); then the held attempt may reach the store, and the micro-batch is replayed
+    (staged again, the same token). Reads must never fail with PartNotFound and the
+    micro-batch lands whole, once (issue 33 item 2)."""
+
+    index = ABORT_INDEX
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "abort")
+
+    def clients(self) -> tuple[FaultyClient, WriteHandle]:
+        """The committer: attempts held in flight, lost replies reach the caller."""
+        fc = self.ctx.client(
+            self.name,
+            config=lambda c: dataclasses.replace(c, inline_write_max_bytes=1, retry_timeout_s=1e-9),
+            consensus=LateConsensus,
+        )
+        aborter = self.ctx.client(f"{self.name}-worker")
+        self.abort_shard = aborter.client.open_shard(self.shard_name)
+        aborter.enable()
+        self.held = fc.consensus
+        return fc, fc.client.open_shard(self.shard_name).writer("sink-query")
+
+    def write(self, handle: WriteHandle, number: int, data: pa.Table) -> bool | None:
+        """Commit the micro-batch; abort and replay until it is committed or acknowledged."""
+        rec = self.ctx.rec
+        consensus = self.held
+        assert isinstance(consensus, LateConsensus)
+        hold = self.rng.random() < 0.5
+        give_up = time.monotonic() + FINISH_TIMEOUT_S
+        while time.monotonic() < give_up:
+            staged = stage(handle, data)
+            upper = _retry(handle.fetch_upper, hard_s=FINISH_TIMEOUT_S)
+            if hold:
+                consensus.hold_thread = threading.get_ident()
+                hold = False
+            try:
+                res: AppendResult = handle.compare_and_append_batches(
+                    [staged], upper, upper + 1, token=number, ts_rewrite=upper
+                )
+            except (Determinate, Indeterminate):
+                rec.op("abort_aborts")
+                with contextlib.suppress(PersistError):
+                    staged_writes.abandon_staged(self.abort_shard.machine, staged.parts)
+                if consensus.held is not None and self.rng.random() < 0.7:
+                    with contextlib.suppress(PersistError):
+                        rec.op("abort_late_landings" if consensus.land() else "abort_fenced_off")
+                consensus.held = None
+                continue  # Spark replays the micro-batch
+            finally:
+                consensus.hold_thread = None
+            if isinstance(res, Committed | AlreadyCommitted):
+                rec.op("abort_batches_committed")
+                return True
+        return None
+
+
+BLIP_P = 0.3
+"""Chance that a compare-and-set of the short-grace writer starts a store outage."""
+
+
+class BlipConsensus(TrackingConsensus):
+    """A Consensus with outages: now and then a compare-and-set starts one, and every
+    compare-and-set of the outage (about one grace long) is refused (StoreUnavailable),
+    so a commit retries while its staged parts age past the orphan sweep's grace."""
+
+    def __init__(self, inner: Consensus, faults: Faults, *, enabled: bool = True) -> None:
+        super().__init__(inner, faults, enabled=enabled)
+        self._rng = random.Random(faults.seed)
+        self._until = 0.0
+
+    def compare_and_set(self, key: str, expected: SeqNo | None, new: VersionedData) -> CaSResult:
+        """Refused during an outage; sometimes the start of one."""
+        if self.enabled:
+            now = time.monotonic()
+            if now >= self._until and self._rng.random() < BLIP_P:
+                self._until = now + self._rng.uniform(0.6, 1.2) * SHORT_GRACE_S
+            if now < self._until:
+                self.injected["fail_before"] += 1
+                raise StoreUnavailable(f"injected outage: compare-and-set of {key!r} refused")
+        return super().compare_and_set(key, expected, new)
+
+
+SHORT_GRACE_S = 1.2
+"""The short-grace piece's ``staged_part_grace_s``: commits meet sweeps within seconds. A
+commit lands within half of it after its last check of its parts, or the sweep may take
+them first: shorter, and a loaded machine's stalls (a slow SQLite compare-and-set) would
+break that promise, which only holds for a grace far longer than any stall."""
+
+
+def short_grace_config(c: PersistConfig) -> PersistConfig:
+    """The short-grace piece's knobs: the short grace, the longest retry window the config
+    allows with it, every part in Blob."""
+    return dataclasses.replace(
+        c,
+        staged_part_grace_s=SHORT_GRACE_S,
+        retry_timeout_s=SHORT_GRACE_S * 0.45,
+        inline_write_max_bytes=1,
+    )
+
+
+class ShortGrace(ModelShard):
+    """A writer on a short ``staged_part_grace_s`` (and the matching ``retry_timeout_s``)
+    over a Consensus with outages, while a sweeper runs GC's orphan sweep on its shard in a
+    loop: each write is staged, held back up to half the grace, and committed with its
+    token, retried (same token) through outages and StagedPartsExpired (staged again). No
+    acknowledged commit may reference a swept part (issue 33 item 3)."""
+
+    index = GRACE_INDEX
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "grace")
+
+    def loops(self) -> dict[str, Callable[[], None]]:
+        """The writer and the sweeper."""
+        return {self.name: self.run, f"{self.name}-sweeper": self.sweep}
+
+    def clients(self) -> tuple[FaultyClient, WriteHandle]:
+        """The short grace, over a Consensus with outages."""
+        fc = self.ctx.client(
+            self.name, config=lambda c: short_grace_config(c), consensus=BlipConsensus
+        )
+        return fc, fc.client.open_shard(self.shard_name).writer(self.name)
+
+    def write(self, handle: WriteHandle, number: int, data: pa.Table) -> bool | None:
+        """Stage, wait, commit with the write's token until acknowledged."""
+        rec, ctx = self.ctx.rec, self.ctx
+        give_up = time.monotonic() + FINISH_TIMEOUT_S
+        staged = stage(handle, data)
+        ctx.stop.wait(self.rng.uniform(0.3, 0.45) * SHORT_GRACE_S)
+        while time.monotonic() < give_up:
+            upper = _retry(handle.fetch_upper, hard_s=FINISH_TIMEOUT_S)
+            try:
+                res = handle.compare_and_append_batches(
+                    [staged],
+                    upper,
+                    upper + 1,
+                    token=number,
+                    ts_rewrite=upper,
+                    delete_on_mismatch=False,
+                )
+            except StagedPartsExpired:
+                rec.op("grace_parts_expired")
+                staged = stage(handle, data)
+                continue
+            except (Determinate, Indeterminate):
+                rec.op("grace_commit_errors")
+                ctx.stop.wait(0.02)  # through an outage, not around it
+                continue
+            if isinstance(res, Committed | AlreadyCommitted):
+                return True
+        return None
+
+    def sweep(self) -> None:
+        """GC with the orphan sweep of the piece's shard, on the short grace, in a loop."""
+        ctx = self.ctx
+        fc = ctx.client(
+            f"{self.name}-sweeper",
+            config=lambda c: short_grace_config(c),
+            faults=_reads_and_deletes_never_fail,
+        )
+        shard = fc.client.open_shard(self.shard_name)
+        fc.enable()
+        while not ctx.stop.wait(0.05):
+            try:
+                ctx.rec.op("grace_orphans_swept", shard.gc().orphans_deleted)
+            except PersistError as e:
+                ctx.rec.op("maintenance_errors_" + type(e).__name__)
+
+
+def fetch_retrying(reader: ReadHandle, event: ListenEvent, rec: Recorder, errors: str) -> pa.Table:
+    """The updates of a listen event, retrying store errors (counted as ``errors``): the
+    listen has moved past the event, so giving up would lose it."""
+    while True:
+        try:
+            return reader.fetch(event.parts)
+        except (Determinate, Indeterminate):
+            rec.op(errors)
+
+
+# --- drop and re-create under load ------------------------------------------------------------
+
+
+@dataclass
+class DropWrite:
+    """One write to the dropped-and-created-again shard: the incarnation of the handle that
+    attempted it, and what that handle heard."""
+
+    key: int
+    incarnation: str
+    acked: bool = False
+    indeterminate: bool = False
+
+
+class DropRecreate(Piece):
+    """A shard of its own with a writer and a listen, dropped (as ``persist shards drop
+    --force`` does: its listen holds it) and created again under the same name every second
+    or so while they run. The writer and the listen each reopen the shard when theirs is
+    dropped, and the writer keeps trying its dropped handle now and then.
+
+    Checked: a handle of a dropped incarnation is never acknowledged again (it gets
+    ShardDropped); a listen reads only rows its incarnation's handles wrote, each once and
+    whole, and ends with ShardDropped once its incarnation is dropped; the incarnation at
+    the end holds exactly its own acknowledged writes (and, of the others its handles
+    tried, at most those of unknown outcome) (issue 33 items 4, 5)."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "drop")
+        self.shard_name = f"{ctx.shard_name}-dropped"
+        self.writes: dict[int, DropWrite] = {}
+        """Every write attempted, by key, registered before its first attempt."""
+        self.dropped_at: dict[str, float] = {}
+        """Each dropped incarnation: when its drop finished (monotonic)."""
+        self._lock = threading.Lock()
+
+    def setup(self) -> None:
+        """The first incarnation."""
+        self._create()
+
+    def _create(self) -> None:
+        """Create the shard under its name, with an empty batch [0, 1) to listen from."""
+        with reliable_client(self.ctx.loc) as setup:
+            shard = setup.open_shard(self.shard_name, SCHEMA, retention_ms=RETENTION_MS)
+            shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+
+    def loops(self) -> dict[str, Callable[[], None]]:
+        """The dropper, the writer and the listener."""
+        return {"dropper": self.drop, "drop-writer": self.write, "drop-listener": self.listen}
+
+    def drop(self) -> None:
+        """Drop the shard (forced: the listen holds it) and create it again, every 0.5-2 s."""
+        ctx = self.ctx
+        r = random.Random(ctx.seed_for("dropper"))
+        while not ctx.stop.wait(r.uniform(0.5, 2.0)):
+            with reliable_client(ctx.loc) as c:
+                old = c.open_shard(self.shard_name).machine.incarnation
+                assert old is not None
+                drop_shard(
+                    c.consensus,
+                    c.blob,
+                    self.shard_name,
+                    now_ms=time.time_ns() // 1_000_000,
+                    force=True,
+                )
+            with self._lock:
+                self.dropped_at[old] = time.monotonic()
+            self._create()
+            ctx.rec.op("drops")
+
+    def _open(self, fc: FaultyClient) -> tuple[WriteHandle, str] | None:
+        """A writer on the shard of the name now, and its incarnation (None: the run ended)."""
+        while not self.ctx.stop.is_set():
+            try:
+                shard = fc.client.open_shard(self.shard_name)
+                handle = shard.writer("drop-writer")
+                handle.fetch_upper()
+                incarnation = shard.machine.incarnation
+                assert incarnation is not None
+                return handle, incarnation
+            except (ShardNotFound, Determinate, Indeterminate):  # between drop and creation
+                self.ctx.stop.wait(0.01)
+        return None
+
+    def _append(self, fc: FaultyClient, handle: WriteHandle, write: DropWrite) -> None:
+        """Attempt ``write`` (its key is its token) until acknowledged, at most 20 times;
+        ShardDropped passes through."""
+        data = write_updates(write.key, None)
+        before = fc.consensus.indeterminate_cas()
+        try:
+            upper: int | None = None
+            for _ in range(20):
+                try:
+                    if upper is None:
+                        upper = handle.fetch_upper()
+                    res = handle.compare_and_append(data, upper, upper + 1, token=write.key)
+                except (Determinate, Indeterminate):
+                    upper = None
+                    continue
+                if isinstance(res, UpperMismatch):
+                    upper = res.current
+                    continue
+                write.acked = True
+                return
+        finally:
+            write.indeterminate = fc.consensus.indeterminate_cas() > before
+
+    def write(self) -> None:
+        """Write to the shard of the name; reopen when it is dropped; try the dropped
+        handle again now and then."""
+        ctx, rec = self.ctx, self.ctx.rec
+        fc = ctx.client("drop-writer")
+        r = random.Random(ctx.seed_for("drop-writer"))
+        fc.enable()
+        opened = self._open(fc)
+        dead: tuple[WriteHandle, str] | None = None
+        number = 0
+        while opened is not None and not ctx.stop.is_set():
+            number += 1
+            probe = dead is not None and r.random() < 0.2
+            handle, incarnation = dead if probe and dead is not None else opened
+            write = DropWrite(DROP_INDEX * KEY_PER_WRITER + number, incarnation)
+            with self._lock:
+                self.writes[write.key] = write
+            started = time.monotonic()
+            try:
+                self._append(fc, handle, write)
+            except ShardDropped:
+                rec.op("drop_handles_refused")
+                if not probe:
+                    dead = opened
+                    opened = self._open(fc)
+                continue
+            if write.acked:
+                rec.op("drop_writes_acked")
+                dropped = self.dropped_at.get(incarnation)
+                if dropped is not None and dropped < started:
+                    rec.violation(
+                        f"drop: write {write.key} acknowledged to a handle of incarnation "
+                        f"{incarnation[:8]}, dropped {started - dropped:.2f}s before it was "
+                        "attempted (it committed into the shard created again)"
+                    )
+            ctx.stop.wait(r.uniform(0.0, 0.03))
+
+    def listen(self) -> None:
+        """Listen to each incarnation from its start until ShardDropped ends the listen."""
+        ctx, rec = self.ctx, self.ctx.rec
+        fc = ctx.client("drop-listener", reader=True)
+        fc.enable()
+        seen: set[int] = set()
+        while not ctx.stop.is_set():
+            try:
+                shard = fc.client.open_shard(self.shard_name)
+                reader = shard.reader("drop-listener")
+                since = reader.since  # a writer may have moved it (retention) before we came
+                listen = reader.listen(since)
+            except (ShardNotFound, Determinate, Indeterminate, InvalidFrontier):
+                ctx.stop.wait(0.01)
+                continue
+            incarnation = shard.machine.incarnation
+            assert incarnation is not None
+            try:
+                self._follow(reader, listen, incarnation, since + 1, seen)
+                rec.op("drop_listens_ended_by_stop")
+            except ShardDropped:
+                rec.op("drop_listens_ended_by_drop")
+            finally:
+                listen.close()
+                with contextlib.suppress(PersistError):
+                    reader.close()
+
+    def _follow(
+        self, reader: ReadHandle, listen: Any, incarnation: str, frontier: int, seen: set[int]
+    ) -> None:
+        """Check each event of ``incarnation``'s listen from ``frontier`` until the run stops
+        (or ShardDropped); the listen of a dropped incarnation must end within
+        ``FINISH_TIMEOUT_S / 4``."""
+        ctx, rec = self.ctx, self.ctx.rec
+        while not ctx.stop.is_set():
+            dropped = self.dropped_at.get(incarnation)
+            if dropped is not None and time.monotonic() - dropped > FINISH_TIMEOUT_S / 4:
+                rec.violation(
+                    f"drop: the listen of incarnation {incarnation[:8]} goes on "
+                    f"{time.monotonic() - dropped:.0f}s after its drop, without ShardDropped"
+                )
+                return
+            try:
+                event = listen.next(timeout_s=0.1)
+                if event is None:
+                    continue
+                table = fetch_retrying(reader, event, rec, "drop_listen_errors")
+            except (Determinate, Indeterminate):
+                rec.op("drop_listen_errors")
+                continue
+            except PartNotFound as e:
+                rec.violation(f"drop: the listen of incarnation {incarnation[:8]} lost a part: {e}")
+                return
+            if event.lower != frontier:
+                rec.violation(
+                    f"drop: listen event [{event.lower}, {event.upper}) of incarnation "
+                    f"{incarnation[:8]} does not follow frontier {frontier}"
+                )
+            frontier = event.upper
+            rec.op("drop_listen_events")
+            for _, sign, key in event_changes(event.lower, event.upper, table, rec):
+                write = self.writes.get(key)
+                owner = None if write is None else write.incarnation
+                if sign < 0 or owner != incarnation:
+                    rec.violation(
+                        f"drop: the listen of incarnation {incarnation[:8]} read write {key}, "
+                        f"written by a handle of incarnation {(owner or 'none')[:8]}"
+                    )
+                elif key in seen:
+                    rec.violation(f"drop: write {key} emitted twice")
+                seen.add(key)
+
+    def verify(self) -> None:
+        """The incarnation at the end holds exactly its own acknowledged writes."""
+        rec = self.ctx.rec
+        with reliable_client(self.ctx.loc) as check:
+            shard = check.open_shard(self.shard_name)
+            incarnation = shard.machine.incarnation
+            with shard.reader("final-check") as reader:
+                upper = shard.state().upper
+                final = snapshot_keys(reader.snapshot_table(upper - 1), "drop", 0, rec)
+        rec.op("drop_writes_checked", len(self.writes))
+        own = {k for k, w in self.writes.items() if w.incarnation == incarnation}
+        acked = {k for k in own if self.writes[k].acked}
+        maybe = {k for k in own if self.writes[k].indeterminate}
+        foreign = sorted(k for k in final if k not in own)
+        if foreign:
+            rec.violation(
+                f"drop: the shard's last incarnation holds writes {foreign[:10]} of handles of "
+                "other incarnations"
+            )
+        if acked - final or final - acked - maybe - set(foreign):
+            rec.violation(
+                f"drop: the shard's last incarnation holds {len(final)} writes: acknowledged "
+                f"ones missing {sorted(acked - final)[:10]}, unacknowledged ones there "
+                f"{sorted(final - acked - maybe - set(foreign))[:10]}"
+            )
+
+
+# --- dropped PubSub pushes --------------------------------------------------------------------
+
+PUSH_POLL_S = 0.2
+"""The pushed listener's ``listen_poll_pushed_s``: how often it reads Consensus although
+pushes look healthy."""
+PUSH_STALE_S = 1.5
+"""How long after its acknowledgement the pushed listener must have seen a commit: a poll
+interval, and slack for a loaded machine."""
+PUSH_IDLE_S = 2.0
+"""The pushed writer's pause after each burst: longer than the staleness bound, so a lost
+push shows as a stale listen unless the listener polls."""
+PUSH_DROP_P = 0.6
+"""Chance that the pushed listener's transport drops a push it received."""
+
+
+class PushedListen(Piece):
+    """A writer and a listener of a shard of its own, on clients with PubSub (an in-process
+    server, as in tests/pubsub), whose listener's transport drops pushes at random. The
+    writer writes in bursts with pauses longer than the staleness bound. Every
+    acknowledged commit must reach the listen within ``PUSH_STALE_S`` (a lost push delays
+    it only until the listen's own poll, ``listen_poll_pushed_s``), at the time it
+    committed at, in order, exactly once (issue 33 item 6, in the core).
+
+    PubSub topics name a Consensus location, and ``mem://`` has none (one process), so on
+    the mem backend the piece's shard lives in a SQLite Consensus of its own."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "pushes")
+        self.shard_name = f"{ctx.shard_name}-pushed"
+        self.acked: list[tuple[int, int, float]] = []
+        """(write, time it landed at, when it was acknowledged: monotonic)."""
+        self.seen: dict[int, tuple[int, float]] = {}
+        """Each write the listen read: (time, when: monotonic)."""
+        self.dropped = 0
+        self.writer_done = threading.Event()
+        self.directory: str | None = None
+        self.loc = ctx.loc
+        self.server: Any = None
+
+    def setup(self) -> None:
+        """The server, the location, the shard with an empty batch [0, 1)."""
+        from pyspark_persist.pubsub.server import PubSubServer
+
+        if consensus_kind(self.ctx.loc.consensus_uri) == "mem":
+            self.directory = tempfile.mkdtemp(prefix="persist-check-pushes-")
+            self.loc = Location(self.ctx.loc.blob_uri, f"sqlite:///{self.directory}/consensus.db")
+        self.server = PubSubServer("127.0.0.1", 0).start()
+        with reliable_client(self.loc) as setup:
+            shard = setup.open_shard(self.shard_name, SCHEMA, retention_ms=RETENTION_MS)
+            shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+        # The listen registers before any write: retention would move since past 0.
+        self.publisher = DroppingPublisher(
+            self.server.address, self.loc.consensus_uri, self.ctx.seed_for("pushed-listener")
+        )
+        self.listener = self.ctx.client(
+            "pushed-listener",
+            reader=True,
+            config=lambda c: dataclasses.replace(
+                # No heartbeat or downgrade reads Consensus on the side: the listen's own
+                # polls are what bounds its staleness.
+                c,
+                listen_poll_pushed_s=PUSH_POLL_S,
+                heartbeat_interval_s=60.0,
+            ),
+            publisher=self.publisher,
+            loc=self.loc,
+        )
+        self.reader = self.listener.client.open_shard(self.shard_name).reader("pushed-listener")
+        self.listen_from_0 = self.reader.listen(0)
+
+    def loops(self) -> dict[str, Callable[[], None]]:
+        """The pushing writer and the listener."""
+        return {"pushed-writer": self.write, "pushed-listener": self.listen}
+
+    def write(self) -> None:
+        """Bursts of one to three writes (same token until acknowledged), then a pause."""
+        from pyspark_persist.pubsub.grpc_client import GrpcPublisher
+
+        ctx, rec = self.ctx, self.ctx.rec
+        publisher = GrpcPublisher(self.server.address, self.loc.consensus_uri)
+        fc = ctx.client("pushed-writer", publisher=publisher, loc=self.loc)
+        r = random.Random(ctx.seed_for("pushed-writer"))
+        writer = fc.client.open_shard(self.shard_name).writer("pushed-writer")
+        try:
+            fc.enable()
+            upper = _retry(writer.fetch_upper, hard_s=FINISH_TIMEOUT_S)
+            number = 0
+            while not ctx.stop.is_set():
+                for _ in range(r.randint(1, 3)):
+                    number += 1
+                    key = PUSH_INDEX * KEY_PER_WRITER + number
+                    landed, upper = append_until_acked(writer, key, number, upper)
+                    self.acked.append((key, landed, time.monotonic()))
+                    rec.op("pushed_writes_acked")
+                    ctx.stop.wait(r.uniform(0.01, 0.1))
+                ctx.stop.wait(PUSH_IDLE_S)
+        finally:
+            publisher.close()  # before the server stops
+            self.writer_done.set()
+
+    def listen(self) -> None:
+        """Listen through a transport that drops pushes; record when each write was read."""
+        ctx, rec = self.ctx, self.ctx.rec
+        reader, listen, publisher = self.reader, self.listen_from_0, self.publisher
+        self.listener.enable()
+        frontier = 1
+        finish_by: float | None = None
+        while True:
+            if ctx.stop.is_set():
+                if finish_by is None:  # the writer's last write may be acknowledged later
+                    self.writer_done.wait(FINISH_TIMEOUT_S)
+                    finish_by = time.monotonic() + PUSH_STALE_S + PUSH_IDLE_S
+                if len(self.seen) >= len(self.acked) or time.monotonic() > finish_by:
+                    break
+            try:
+                event = listen.next(timeout_s=0.05)
+                if event is None:
+                    continue
+                table = fetch_retrying(reader, event, rec, "pushed_listen_errors")
+            except (Determinate, Indeterminate):
+                rec.op("pushed_listen_errors")
+                continue
+            now = time.monotonic()
+            if event.lower != frontier:
+                rec.violation(
+                    f"pushed listen: event [{event.lower}, {event.upper}) does not follow "
+                    f"frontier {frontier}"
+                )
+            frontier = event.upper
+            for t, sign, key in event_changes(event.lower, event.upper, table, rec):
+                if sign < 0 or key in self.seen:
+                    rec.violation(f"pushed listen: write {key} emitted twice or retracted")
+                self.seen[key] = (t, now)
+        self.dropped = publisher.dropped
+        listen.close()
+        with contextlib.suppress(PersistError):
+            reader.close()
+        publisher.close()
+
+    def verify(self) -> None:
+        """Every acknowledged write read once, at its time, in order, within the bound."""
+        try:
+            self._check()
+        finally:
+            self.close()
+
+    def _check(self) -> None:
+        """See :meth:`verify`."""
+        rec = self.ctx.rec
+        rec.op("pushes_dropped", self.dropped)
+        rec.op("pushed_writes_checked", len(self.acked))
+        last_time = 0
+        for key, landed, acked_at in self.acked:
+            got = self.seen.get(key)
+            if got is None:
+                rec.violation(f"pushed listen: acknowledged write {key} never read")
+                continue
+            t, seen_at = got
+            if landed >= 0 and t != landed:
+                rec.violation(f"pushed listen: write {key} committed at {landed}, read at {t}")
+            if t < last_time:
+                rec.violation(f"pushed listen: write {key} at {t} read after time {last_time}")
+            last_time = t
+            if seen_at - acked_at > PUSH_STALE_S:
+                rec.violation(
+                    f"pushed listen: write {key} read {seen_at - acked_at:.2f}s after its "
+                    f"commit (bound {PUSH_STALE_S}s): a lost push hid it"
+                )
+        extra = set(self.seen) - {key for key, _, _ in self.acked}
+        if extra:
+            rec.op("pushed_unacked_writes_read", len(extra))
+
+    def close(self) -> None:
+        """Stop the server; remove the piece's own location."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+
+def append_until_acked(writer: WriteHandle, key: int, token: int, upper: int) -> tuple[int, int]:
+    """Append write ``key`` with ``token`` until acknowledged (so exactly once); the time it
+    landed at (-1: acknowledged as already committed) and the upper after it."""
+    while True:
+        try:
+            res = writer.compare_and_append(write_updates(key, None), upper, upper + 1, token=token)
+        except (Determinate, Indeterminate):
+            with contextlib.suppress(Determinate, Indeterminate):
+                upper = writer.fetch_upper()
+            continue
+        if isinstance(res, UpperMismatch):
+            upper = res.current
+            continue
+        return (upper if isinstance(res, Committed) else -1), res.upper
+
+
+class DroppingPublisher(GrpcPublisher):
+    """A gRPC PubSub transport that drops each push it receives with ``PUSH_DROP_P``, as a
+    full queue, a restarted server or a writer on another server would."""
+
+    def __init__(self, address: str, consensus_uri: str, seed: int) -> None:
+        super().__init__(address, consensus_uri)
+        self._rng = random.Random(seed)
+        self.dropped = 0
+
+    def _deliver(self, topic: str, seqno: int, pushed_at_us: int = 0) -> None:
+        """Deliver the push, or drop it."""
+        if self._rng.random() < PUSH_DROP_P:
+            self.dropped += 1
+            return
+        super()._deliver(topic, seqno, pushed_at_us)
+
+
 FAULTS: dict[str, Callable[[Context], Piece]] = {
     "maintenance": Maintainer,
     "slow-writer": SlowWriter,
     "replace": Replacer,
+    "drop": DropRecreate,
+    "resend": Resender,
+    "abort": SinkAborter,
+    "short-grace": ShortGrace,
+    "pushes": PushedListen,
 }
 """The fault menu: each entry builds one named piece of the run (``--faults`` picks)."""
 

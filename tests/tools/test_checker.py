@@ -35,8 +35,17 @@ def _assert_clean(report: checker.Report) -> None:
 
 @pytest.mark.slow
 def test_checker_mem(tmp_path: Path) -> None:
-    """Threads on mem/mem: no violation, faults injected, operations checked."""
-    _assert_clean(checker.run(seed=101, duration_s=BUDGET_S, writers=4, backend="mem"))
+    """Threads on mem/mem: no violation, faults injected, operations checked, and every
+    fault kind of issue 33 at work: drops under load, resends after Indeterminate, aborts
+    with an attempt in flight, commits meeting the sweep on a short grace, lost pushes."""
+    report = checker.run(seed=101, duration_s=BUDGET_S, writers=4, backend="mem")
+    _assert_clean(report)
+    ops = report.ops
+    assert ops["drops"] and ops["drop_listens_ended_by_drop"] and ops["drop_writes_checked"]
+    assert ops["resend_after_indeterminate"] and ops["resend_snapshots_checked"]
+    assert ops["abort_aborts"] and ops["abort_snapshots_checked"]
+    assert ops["grace_writes_landed"] and ops["grace_orphans_swept"]
+    assert ops["pushed_writes_checked"] and ops["pushes_dropped"]
 
 
 @pytest.mark.slow
