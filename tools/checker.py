@@ -2934,7 +2934,9 @@ def _verify_writes(ctx: Context, listen_done: bool) -> None:
 DESCRIPTION = (
     "Check that persist never loses or duplicates a committed update: for --seconds, writers "
     "(threads, and --processes) that also retract their older writes, snapshot readers, a "
-    "listener, compaction and GC run at once against Blob and Consensus wrappers that inject "
+    "listener and the --faults pieces (compaction and GC, a slow writer, replaces, drops under "
+    "load, resends after Indeterminate, aborts with a commit in flight, a short grace under "
+    "outages, lost PubSub pushes) run at once against Blob and Consensus wrappers that inject "
     "faults (lost replies, refused calls, timeouts, slowness); then every acknowledged write "
     "must appear exactly once, every snapshot must equal the reference history at its time, "
     "uppers must only advance and no leased read may hit a deleted part. The location is a "
