@@ -708,7 +708,8 @@ class Report:
 
     @property
     def operations_checked(self) -> int:
-        """Writes verified plus snapshots compared plus listen events checked."""
+        """Writes verified plus snapshots compared plus listen events checked (the main
+        shard's and the fault pieces')."""
         return (
             self.ops["writes_checked"]
             + self.ops["snapshots_checked"]
@@ -716,6 +717,7 @@ class Report:
             + self.ops["replace_writes_checked"]
             + self.ops["replace_snapshots_checked"]
             + self.ops["drop_writes_checked"]
+            + self.ops["drop_listen_events"]
             + self.ops["resend_snapshots_checked"]
             + self.ops["abort_snapshots_checked"]
             + self.ops["grace_snapshots_checked"]
