@@ -262,7 +262,12 @@ OPTIONS: tuple[OptionName, ...] = (
         "splitSizeBytes",
         SPLIT_SIZE,
         _READS,
-        doc=OptionDoc(f"{DEFAULT_SPLIT_SIZE >> 20} MiB", "target bytes per read task, e.g. `128m`"),
+        doc=OptionDoc(
+            f"{DEFAULT_SPLIT_SIZE >> 20} MiB",
+            "target bytes per read task: the read's bytes over this, rounded to a power of "
+            "two, is the task count, and the tasks get about equal bytes (see "
+            "[Read splits](spark.md#read-splits)), e.g. `128m`",
+        ),
     ),
     OptionName(
         "minPartitions",
@@ -271,7 +276,8 @@ OPTIONS: tuple[OptionName, ...] = (
         peers="Kafka",
         doc=OptionDoc(
             str(DEFAULT_MIN_PARTITIONS),
-            "at least this many read tasks (when there are enough parts), e.g. `4`",
+            "at least this many read tasks of about equal bytes (when the parts can be cut "
+            "that fine), e.g. `4`",
         ),
     ),
     OptionName(

@@ -303,22 +303,29 @@ def encode_inline(table: pa.Table) -> bytes:
 
 
 def iter_part_batches(
-    data: bytes | memoryview, part: PartRef, shard_id: str, batch_rows: int = 65536
+    data: bytes | memoryview,
+    part: PartRef,
+    shard_id: str,
+    batch_rows: int = 65536,
+    row_range: tuple[int, int] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """The stored updates of a part's bytes, batch by batch, whatever its format.
 
     Arrow parts (and inline ones) come in the batches they were written in
     (about ``batch_rows`` rows for a staged part), read in place: views of
     ``data``, no copy. Parquet parts are decoded ``batch_rows`` rows at a time.
+    With ``row_range`` only the stored rows ``[start, stop)`` (a split cut the
+    part): an Arrow part's batches before ``start`` are skipped undecoded.
     """
     try:
         if part.inline is not None or part.fmt == ARROW:
-            yield from pa.ipc.open_stream(pa.py_buffer(data))
+            yield from _rows(pa.ipc.open_stream(pa.py_buffer(data)), row_range)
         elif part.fmt == ARROW_ROWS:
-            yield from _with_insert_columns(pa.ipc.open_stream(pa.py_buffer(data)), part, shard_id)
+            batches = _rows(pa.ipc.open_stream(pa.py_buffer(data)), row_range)
+            yield from _with_insert_columns(batches, part, shard_id)
         elif part.fmt == PARQUET:
             parquet = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data)))
-            yield from parquet.iter_batches(batch_size=batch_rows)
+            yield from _rows(parquet.iter_batches(batch_size=batch_rows), row_range)
         else:
             raise CorruptData(
                 f"part {part.key!r} of shard {shard_id!r} has format {part.fmt!r}, which this "
@@ -327,6 +334,25 @@ def iter_part_batches(
     except (pa.ArrowInvalid, OSError) as e:
         where = "an inline part" if part.key is None else f"part {part.key}"
         raise CorruptData(f"{where} of shard {shard_id!r} cannot be decoded: {e}") from e
+
+
+def _rows(
+    batches: Iterator[pa.RecordBatch], row_range: tuple[int, int] | None
+) -> Iterator[pa.RecordBatch]:
+    """The rows ``[start, stop)`` of ``batches`` (all with ``None``), sliced in place; stops
+    reading at ``stop``."""
+    if row_range is None:
+        yield from batches
+        return
+    start, stop = row_range
+    at = 0
+    for rb in batches:
+        end = at + rb.num_rows
+        if end > start:
+            yield rb.slice(max(start - at, 0), min(end, stop) - max(at, start))
+        if end >= stop:
+            return
+        at = end
 
 
 def _with_insert_columns(

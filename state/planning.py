@@ -21,7 +21,7 @@ are all calls to it, with different arguments:
 :class:`ReadLimits` caps the range (``max_bytes``/``max_parts``/``max_rows``:
 the plan's ``upper`` is then where the longest run of whole batches that fits
 ends, and always past at least one batch with data) and splits the parts
-over tasks by size (``split_bytes``, ``min_splits``).
+over tasks by size (``split_bytes``, ``min_splits``): see :func:`split_parts`.
 
 It is pure: no I/O, no leases, no clock. Which state to plan from (leased,
 so GC keeps its parts) and which frontiers to refuse (with the caller's own
@@ -31,12 +31,23 @@ error) stay with the caller.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .codec import ARROW, ARROW_ROWS
 from .errors import InvalidUsage
 from .state import Batch, PartRef, ShardState, Time
+
+CUT_ROWS = 65536
+"""Where a split may cut an Arrow part: at multiples of this many of its stored rows, the
+batch size both writers stage (so a task reads whole stored batches, in place)."""
+CUTTABLE_FORMATS = (ARROW, ARROW_ROWS)
+"""The part formats a split may cut: a task reads an Arrow IPC part's batches in its row range
+without decoding the others. A Parquet part is never cut (its row groups are about a million
+rows: two tasks would each decode most of the part)."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +67,13 @@ class LeasedPart:
     upper: Time
     as_of: Time | None
     seqno: int
+    row_range: tuple[int, int] | None = None
+    """The stored rows ``[start, stop)`` of the part that this reader reads (a split cut the
+    part between tasks, see :func:`split_parts`); ``None``: all of them."""
 
     def to_json(self) -> dict[str, Any]:
         """Encode for shipping to another process (a Spark InputPartition)."""
-        return {
+        out = {
             "shard": self.shard_id,
             "blob": self.blob_uri,
             "part": self.part.to_json(),
@@ -68,6 +82,9 @@ class LeasedPart:
             "as_of": self.as_of,
             "seqno": self.seqno,
         }
+        if self.row_range is not None:
+            out["rows"] = list(self.row_range)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LeasedPart:
@@ -80,7 +97,16 @@ class LeasedPart:
             upper=int(d["upper"]),
             as_of=None if d.get("as_of") is None else int(d["as_of"]),
             seqno=int(d["seqno"]),
+            row_range=None if d.get("rows") is None else (int(d["rows"][0]), int(d["rows"][1])),
         )
+
+    @property
+    def read_bytes(self) -> int:
+        """The part's bytes this reader reads: all of them, or its row range's share."""
+        if self.row_range is None or not self.part.rows:
+            return self.part.size_bytes
+        start, stop = self.row_range
+        return self.part.size_bytes * (stop - start) // self.part.rows
 
     @property
     def needs_filter(self) -> bool:
@@ -107,7 +133,7 @@ class ReadLimits:
     split_bytes: int | None = None
     """Target bytes per split; ``None``: all parts in one split."""
     min_splits: int = 1
-    """At least this many splits (never more splits than parts)."""
+    """At least this many splits (never more than :func:`split_count` allows)."""
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_parts", "max_rows", "split_bytes"):
@@ -276,23 +302,63 @@ def cancel_negations(parts: list[PartRef], as_of: Time) -> list[PartRef]:
     return out
 
 
+def split_count(parts: Sequence[LeasedPart], split_bytes: int, min_splits: int) -> int:
+    """How many tasks :func:`split_parts` makes: the parts' bytes over ``split_bytes``,
+    rounded to the nearest power of two (tasks of 0.7 to 1.4 times ``split_bytes``), at
+    least ``min_splits``, at most the pieces there are.
+
+    A batch read's planner cannot know how many cores will run its tasks (Spark tells a
+    Python source nothing of it), so the count from bytes is a power of two: equal tasks
+    then finish together on 1, 2, 4, 8 ... cores (up to the count), where 5 tasks on 2
+    cores leave one core idle for the last. A piece is a whole part, or :data:`CUT_ROWS`
+    rows of a part a split may cut.
+    """
+    if not parts:
+        return 0
+    per_split = sum(p.part.size_bytes for p in parts) / max(split_bytes, 1)
+    by_bytes = 1 << round(math.log2(per_split)) if per_split > 1 else 1
+    return min(max(min_splits, by_bytes), sum(_pieces(p) for p in parts))
+
+
 def split_parts(
     parts: Sequence[LeasedPart], split_bytes: int, min_splits: int
 ) -> list[list[LeasedPart]]:
-    """Spread parts over tasks by size: about ``split_bytes`` each, at least ``min_splits``.
+    """Spread parts over :func:`split_count` tasks of about equal bytes.
 
-    Largest parts first, each to the lightest task (the classic greedy
-    balance); never more tasks than parts.
+    Largest parts first, each to the lightest task (the classic greedy balance). An Arrow
+    part that would take that task past its share (the parts' bytes over the task count)
+    is cut at a multiple of :data:`CUT_ROWS` rows: the task takes the rows that fill its
+    share, and the rest of the part goes on to the next lightest task. So tasks differ by
+    about one cut (3 MiB of a 64 MiB part of typical rows) whatever the parts' sizes, and a
+    part is cut only where it does not fit whole.
     """
-    if not parts:
+    n = split_count(parts, split_bytes, min_splits)
+    if n == 0:
         return []
-    total = sum(p.part.size_bytes for p in parts)
-    n = max(min_splits, -(-total // max(split_bytes, 1)))
-    n = min(n, len(parts))
+    share = sum(p.part.size_bytes for p in parts) / n
     bins: list[list[LeasedPart]] = [[] for _ in range(n)]
-    loads = [0] * n
+    loads = [0.0] * n
     for p in sorted(parts, key=lambda p: p.part.size_bytes, reverse=True):
-        i = loads.index(min(loads))
-        bins[i].append(p)
-        loads[i] += p.part.size_bytes
+        start, rows = 0, p.part.rows
+        while True:
+            i = loads.index(min(loads))
+            take = rows - start
+            if _pieces(p) > 1:
+                room = (share - loads[i]) * rows / p.part.size_bytes
+                cut = round((start + room) / CUT_ROWS) * CUT_ROWS
+                if start < cut < rows:
+                    take = cut - start
+            piece = p if take == rows else dataclasses.replace(p, row_range=(start, start + take))
+            bins[i].append(piece)
+            loads[i] += piece.read_bytes
+            start += take
+            if start >= rows:
+                break
     return bins
+
+
+def _pieces(p: LeasedPart) -> int:
+    """How many pieces a split may cut part ``p`` into (1: it reads whole)."""
+    if p.part.inline is not None or p.part.fmt not in CUTTABLE_FORMATS:
+        return 1
+    return max(1, -(-p.part.rows // CUT_ROWS))

@@ -98,7 +98,10 @@ def iter_parts(
     target = None if schema is None else data_schema(schema)
 
     def shaped(data: memoryview, leased: LeasedPart) -> Iterator[pa.Table]:
-        for rb in iter_part_batches(data, leased.part, leased.shard_id, batch_rows):
+        batches = iter_part_batches(
+            data, leased.part, leased.shard_id, batch_rows, leased.row_range
+        )
+        for rb in batches:
             table = shape_updates(rb, leased, time_type)
             yield table if target is None else conform_columns(table, target)
 

@@ -304,6 +304,29 @@ def test_batch_read_splits_by_split_size_and_min_partitions(spark: SparkSession)
     )
 
 
+def test_a_default_split_of_a_sink_written_shard_gives_equal_tasks(spark: SparkSession) -> None:
+    """A shard the Spark sink wrote (each writing task's full parts and a small remainder)
+    reads in a power of two of tasks holding about equal rows, each row once.
+
+    The shard is scaled down with the split size: 16 MiB of rows from 2 tasks in parts of
+    3 MiB and splits of 3 MiB have the shape of 256 MiB in the default 64 MiB parts and
+    splits. Whole parts spread greedily made 6 tasks of 3, 3, 3, 3, 2 and 2 MiB here (and
+    5 of 122, 122 ... MiB at 256 MiB): on 2 cores one core waited for the other.
+    """
+    from pyspark.sql import functions as F
+
+    name = f"sink-split-{uuid.uuid4().hex[:12]}"
+    rows_total = 16 * 65536
+    df = spark.range(0, rows_total, numPartitions=2).select("id", (F.col("id") * 0.5).alias("x"))
+    df.write.format("persist").option("partSizeBytes", "3m").mode("append").save(name)
+    read = spark.read.format("persist").option("splitSizeBytes", "3m").load(name)
+    per_task = read.groupBy(F.spark_partition_id().alias("task")).count().collect()
+    counts = sorted(r["count"] for r in per_task)
+    assert len(counts) == read.rdd.getNumPartitions() == 4, counts
+    assert sum(counts) == rows_total and counts[-1] - counts[0] <= 65536, counts
+    assert read.select("id").distinct().count() == rows_total
+
+
 def test_filter_pushdown_skips_parts_by_statistics(spark: SparkSession) -> None:
     """filterPushdown=true reads only parts whose min/max can match; results stay exact."""
     shard = new_shard()

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -408,7 +409,6 @@ def test_unknown_or_garbled_format_is_corrupt_data(client: Any) -> None:
     staged = stage(client, shard, [rows(200)], ARROW)
     part = staged.parts[0]
     data = fetch_part_bytes(client.blob, part, shard.machine.shard_id)
-    from dataclasses import replace
 
     with pytest.raises(CorruptData, match="format 'orc'"):
         list(iter_part_batches(data, replace(part, fmt="orc"), shard.machine.shard_id))
@@ -457,7 +457,6 @@ def test_checksums_of_older_parts_still_verify_and_a_flipped_byte_is_caught(clie
     """Parts written before the faster checksum recorded zlib's CRC-32: they still read, and a
     byte flipped anywhere in a stored part is CorruptData naming it, never other rows."""
     import zlib
-    from dataclasses import replace
 
     shard = client.open_shard("crc", SCHEMA)
     staged = stage(client, shard, [rows(300)], ARROW)
@@ -476,7 +475,6 @@ def test_checksums_of_older_parts_still_verify_and_a_flipped_byte_is_caught(clie
 def test_snapshot_shaping_sets_every_time_to_as_of_after_a_rewrite(client: Any) -> None:
     """A snapshot part whose stored times sit below its ts_rewrite (the sink's parts) reads at
     as_of; a negated one reads with its diffs negated; a listen keeps the rewritten times."""
-    from dataclasses import replace
 
     from pyspark_persist.state.updates import shape_updates
 
@@ -885,3 +883,22 @@ for i, d in zip(snapshot.column("id").to_pylist(), snapshot.column("_diff").to_p
 assert counts == {i: 2 if i < 15 else 1 for i in range(25)}, counts
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("fmt", PART_FORMATS)
+def test_a_part_cut_between_tasks_reads_each_row_once(tmp_path: Path, fmt: str) -> None:
+    """A split may cut a part by stored rows (``LeasedPart.row_range``): each piece reads
+    exactly its rows, in order, whatever the format, at batch bounds or inside a batch."""
+    config = PersistConfig(read_batch_rows=1000, maintenance=False)
+    c = PersistClient.open(f"file://{tmp_path}/blob", f"sqlite:///{tmp_path}/c.db", config=config)
+    shard = c.open_shard("cut", SCHEMA)
+    (part,) = stage(c, shard, [rows(4500)], fmt).parts
+    data = fetch_part_bytes(c.blob, part, "cut")
+    for start, stop in [(0, 1000), (1000, 3500), (1500, 2600), (3999, 4500), (0, 4500)]:
+        got = pa.Table.from_batches(list(iter_part_batches(data, part, "cut", 1000, (start, stop))))
+        assert got.select(SCHEMA.names).equals(rows(stop - start, start)), (start, stop)
+    whole = LeasedPart("cut", c.blob.uri, part, 0, 1, 0, 1)
+    pieces = [replace(whole, row_range=r) for r in [(0, 2000), (2000, 4000), (4000, 4500)]]
+    read = pa.concat_tables(iter_parts(c.blob, pieces, schema=SCHEMA))
+    assert read.select(SCHEMA.names).equals(rows(4500))
+    c.close()

@@ -7,16 +7,20 @@ tables are the rules all of them follow.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
 
 from pyspark_persist.state.errors import InvalidUsage
 from pyspark_persist.state.planning import (
+    CUT_ROWS,
     LeasedPart,
     ReadLimits,
     limited_upper,
     plan_read,
+    split_count,
     split_parts,
 )
 from pyspark_persist.state.state import Batch, PartRef, ShardState
@@ -220,8 +224,9 @@ def test_split_parts_balances_by_bytes_and_respects_min_and_max() -> None:
     assert split_parts([], 1, 4) == []
     one = split_parts(parts, 10_000, 1)
     assert len(one) == 1 and len(one[0]) == 6
-    by_bytes = split_parts(parts, 110, 1)  # 320 bytes / 110 -> 3 tasks
-    assert len(by_bytes) == 3
+    assert len(split_parts(parts, 110, 1)) == 4  # 320 bytes / 110 -> 2.9: a power of two, 4
+    by_bytes = split_parts(parts, 160, 1)  # 320 bytes / 160 -> 2 tasks
+    assert len(by_bytes) == 2
     loads = sorted(sum(p.part.size_bytes for p in b) for b in by_bytes)
     assert loads[-1] - loads[0] <= 20  # greedy balance
     assert len(split_parts(parts, 10_000, 4)) == 4
@@ -230,3 +235,123 @@ def test_split_parts_balances_by_bytes_and_respects_min_and_max() -> None:
     for split in (one, by_bytes, split_parts(parts, 1, 1)):
         got = sorted(p.part.key or "" for b in split for p in b)
         assert got == sorted(p.part.key or "" for p in parts)
+
+
+MiB = 1 << 20
+ROW_BYTES = 52
+"""Bytes per row of the benchmarks' rows (int64, float64, 32-char string)."""
+
+
+def arrow_part(rows: int, i: int, fmt: str = "arrow-rows") -> LeasedPart:
+    """A leased Arrow part of ``rows`` benchmark rows, as the Spark sink stages them."""
+    ref = PartRef(f"k/part/{i}", None, rows * ROW_BYTES, rows, 0, 0, dmin=1, dmax=1, fmt=fmt)
+    return LeasedPart("k", "mem://x", ref, 0, 1, 0, 1)
+
+
+def sink_shard(mib: int, tasks: int = 2, part_rows: int = 19 * CUT_ROWS) -> list[LeasedPart]:
+    """The parts the Spark sink writes for ``mib`` MiB of rows from ``tasks`` tasks: each task
+    cuts its rows into parts of ``part_rows`` (64 MiB of Arrow) and a remainder."""
+    per_task = mib * MiB // ROW_BYTES // tasks
+    sizes = [part_rows] * (per_task // part_rows) + [per_task % part_rows]
+    return [arrow_part(rows, i) for i, rows in enumerate(sizes * tasks)]
+
+
+def assert_reads_every_row_once(parts: list[LeasedPart], splits: list[list[LeasedPart]]) -> None:
+    """The splits' row ranges tile each part: every stored row read by exactly one task."""
+    got: dict[str, list[tuple[int, int]]] = {}
+    for piece in (p for s in splits for p in s):
+        got.setdefault(piece.part.key or "", []).append(piece.row_range or (0, piece.part.rows))
+    for p in parts:
+        ranges = sorted(got.pop(p.part.key or ""))
+        assert ranges[0][0] == 0 and ranges[-1][1] == p.part.rows, ranges
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), ranges
+    assert got == {}
+
+
+def loads(splits: list[list[LeasedPart]]) -> list[int]:
+    return [sum(p.read_bytes for p in s) for s in splits]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "split_bytes", "min_splits", "count"),
+    [
+        ([64 * MiB] * 4, 64 * MiB, 1, 4),
+        ([61 * MiB] * 4 + [4 * MiB] * 2, 64 * MiB, 1, 4),  # 252 MiB: not 5 tasks, 4
+        ([61 * MiB] * 16 + [30 * MiB] * 2, 64 * MiB, 1, 16),  # 1 GiB
+        ([100 * MiB], 64 * MiB, 1, 2),
+        ([65 * MiB] * 2, 64 * MiB, 1, 2),
+        ([64 * MiB] * 3, 64 * MiB, 1, 4),  # 3 by bytes, the nearest power of two: 4
+        ([64 * MiB] * 5, 64 * MiB, 1, 4),
+        ([10 * MiB], 64 * MiB, 1, 1),
+        ([61 * MiB] * 4, 1 << 40, 2, 2),  # the benchmarks' tuned minPartitions = cores
+        ([61 * MiB] * 4, 1 << 40, 3, 3),  # minPartitions is taken as given
+        ([10 * MiB], 1, 1, 10 * MiB // ROW_BYTES // CUT_ROWS + 1),  # no more than the pieces
+    ],
+)
+def test_split_count_is_a_power_of_two_from_bytes_or_min_splits(
+    sizes: list[int], split_bytes: int, min_splits: int, count: int
+) -> None:
+    """Tasks from bytes round to the nearest power of two: equal tasks then keep 1, 2, 4, 8 ...
+    cores busy to the end, whatever the parallelism Spark gives the read (which the planner
+    cannot know); never more tasks than the parts can be cut into."""
+    parts = [arrow_part(size // ROW_BYTES, i) for i, size in enumerate(sizes)]
+    assert split_count(parts, split_bytes, min_splits) == count
+
+
+@pytest.mark.parametrize(
+    ("mib", "split_bytes", "min_splits", "tasks"),
+    [
+        (256, 64 * MiB, 1, 4),  # the default options
+        (1024, 64 * MiB, 1, 16),
+        (256, 1 << 40, 2, 2),  # minPartitions = cores, splitSizeBytes = 1t
+        (1024, 1 << 40, 4, 4),
+        (256, 1 << 40, 3, 3),
+    ],
+)
+def test_a_sink_written_shard_splits_into_equal_tasks(
+    mib: int, split_bytes: int, min_splits: int, tasks: int
+) -> None:
+    """A shard written by the Spark sink (64 MiB parts and one small remainder per writing
+    task) splits into tasks within one cut (CUT_ROWS rows) of each other, each row read once.
+
+    Whole parts spread greedily made 5 tasks of 122, 122, 8 ... MiB at 256 MiB, so on two
+    cores one core waited for the other."""
+    parts = sink_shard(mib)
+    splits = split_parts(parts, split_bytes, min_splits)
+    assert len(splits) == tasks
+    assert_reads_every_row_once(parts, splits)
+    assert max(loads(splits)) - min(loads(splits)) <= CUT_ROWS * ROW_BYTES
+
+
+def test_a_part_is_cut_only_where_it_does_not_fit_whole() -> None:
+    """Four 64 MiB parts over four tasks are read whole: cutting costs a task the part's
+    fetch (its checksum covers the whole part), so a part is cut only to even the tasks."""
+    parts = [arrow_part(20 * CUT_ROWS, i) for i in range(4)]
+    splits = split_parts(parts, 64 * MiB, 1)
+    assert [[p.row_range for p in s] for s in splits] == [[None]] * 4
+    sink = sink_shard(256)
+    cut = {p.part.key for s in split_parts(sink, 64 * MiB, 1) for p in s if p.row_range}
+    assert cut <= {p.part.key for p in sink if p.part.rows < CUT_ROWS * 2}  # the remainders
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "inline"])
+def test_parquet_and_inline_parts_are_never_cut(fmt: str) -> None:
+    """A Parquet part's row groups hold about a million rows, so two tasks cutting one would
+    each decode most of it; an inline part is tiny. Both are spread whole."""
+    if fmt == "inline":
+        ref = PartRef(None, b"x", 100 * MiB, 20 * CUT_ROWS, 0, 0)
+        parts = [LeasedPart("k", "mem://x", ref, 0, 1, 0, 1)]
+    else:
+        parts = [arrow_part(20 * CUT_ROWS, 0, fmt="parquet")]
+    assert split_count(parts, 1, 8) == 1
+    assert [[p.row_range for p in s] for s in split_parts(parts, 1, 8)] == [[None]]
+
+
+def test_a_cut_part_travels_with_its_row_range() -> None:
+    """A piece's row range survives the JSON a Spark InputPartition carries; a whole part's
+    JSON has none (what older readers wrote reads as whole)."""
+    whole = arrow_part(3 * CUT_ROWS, 0)
+    piece = replace(whole, row_range=(CUT_ROWS, 3 * CUT_ROWS))
+    assert LeasedPart.from_json(piece.to_json()) == piece
+    assert "rows" not in whole.to_json() and LeasedPart.from_json(whole.to_json()) == whole
+    assert piece.read_bytes == 2 * CUT_ROWS * ROW_BYTES

@@ -137,8 +137,10 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
     assert (floor.persist, floor.peer_value, floor.met) == (154.0, 258.0, None)
     assert floor.note.startswith("not persist")
     timings = [
+        ("persist default", 4, 170.0),
         ("persist 1/core", 2, 100.0),
         ("persist 2/core", 4, 180.0),
+        ("persist sink-written default", 4, 140.0),
         ("spark parquet", 5, 150.0),
         ("python source, no I/O", 2, 200.0),
     ]
@@ -147,11 +149,14 @@ def test_spark_rows_pair_persist_with_spark_parquet() -> None:
         rows=10,
         arrow_mib=1.0,
         write_s=1.0,
-        timings=[spark_read.Timing(n, parts, 1.0, mib) for n, parts, mib in timings],
+        timings=[spark_read.Timing(n, parts, 1.0 / mib, mib) for n, parts, mib in timings],
     )
-    one, two, ceiling = report.spark_read_rows(read)
-    assert (one.persist, one.peer_value, one.met) == (100.0, 150.0, True)
-    assert (two.persist, two.peer_value, two.met) == (180.0, 100.0, None)
+    default, sink, tuned, ceiling = report.spark_read_rows(read)
+    assert (default.persist, default.peer_value, default.met) == (170.0, 150.0, True)
+    assert (sink.persist, sink.peer_value, sink.met) == (140.0, 150.0, False)
+    # 180 / 170 = 1.06: the default read within 1.1x of the better tuned split (2/core).
+    assert (tuned.persist, tuned.peer_value, tuned.met) == (170.0, 180.0, True)
+    assert tuned.peer == "persist, 2/core (4 tasks)"
     assert (ceiling.persist, ceiling.peer_value, ceiling.met) == (200.0, 150.0, None)
 
 

@@ -6,17 +6,19 @@ Run it as ``persist bench spark-read`` or ``python -m pyspark_persist.tools.benc
 once, writes them to two persist shards (Python API, ``arrow-rows`` parts as the Spark
 sink stages them): *appended* (one commit) and *overwritten* (a commit, then the same rows
 again as an atomic replace, so its state also references the retracted parts), and as
-Parquet files (pyarrow, same part size, snappy); then in one local Spark session
-(``local[cores]``) times full scans (``selectExpr("sum(id)", "sum(x)", "sum(length(s))")``,
-so every column is read) of:
+Parquet files (pyarrow, same part size, snappy); then in one Spark session
+(``local[cores]``, or ``--master``, e.g. ``local-cluster[2,1,1024]``) writes the Parquet
+copy's rows to a third shard the way a user does, ``df.write.format("persist")`` with
+default options from ``cores`` tasks (*sink-written*), and times full scans
+(``selectExpr("sum(id)", "sum(x)", "sum(length(s))")``, so every column is read) of:
 
 - the first read of a fresh Spark session (a new process: JVM, Python workers and
   imports all cold) and the same read warm, for persist and, as the ceiling of what is
   Spark's own, for the no-I/O source below;
-- the appended shard with 1 partition per core (``minPartitions = cores``, huge
-  ``splitSizeBytes``) and with 2 per core (``minPartitions = 2 * cores``);
-- the overwritten shard, with 1 and with 2 partitions per core (its best counts, as the
-  appended shard's does: a split that suits one suits both);
+- each of the three shards read with default options first (what a user's read does), and
+  beside it tuned: 1 partition per core (``minPartitions = cores``, huge
+  ``splitSizeBytes``) and 2 per core (``minPartitions = 2 * cores``). The default read
+  must be within 1.1x of the better tuned one's time;
 - Spark's built-in Parquet reader over the Parquet copy (``maxPartitionBytes`` set so it
   also uses 2 partitions per core);
 - the ceiling of Spark's Python Data Source API itself: a source that does no I/O and
@@ -27,11 +29,12 @@ so every column is read) of:
   in-memory peer): whether handing Spark distinct data costs more than the one repeated
   batch, and the peer persist's own code is also measured against.
 
-Each is run ``--repeat`` times after one warm-up, in rounds of one scan of each reader (a
+The ratios to the peers are the default reads'. Each is run ``--repeat`` times after one
+warm-up, in rounds of one scan of each reader (a
 session's JVM keeps warming up over its first scans); the best time counts, and beside it the
 least CPU seconds a scan cost (this process and everything it started: Spark's JVM and its
 Python workers), which moves far less than wall time on a loaded machine. Targets printed
-next to the ratios: persist (appended and overwritten) at least 1.0x Spark's Parquet
+next to the ratios: persist (each shard, default options) at least 1.0x Spark's Parquet
 reader and 0.9x the no-I/O source, the cold first read at most 1.5x the warm one. The
 shards and files live in a temporary ``--workdir`` (removed afterwards unless given).
 """
@@ -64,23 +67,37 @@ CEILING_TARGET = 0.9
 """... and at least this fast relative to the no-I/O Python source."""
 COLD_TARGET = 1.5
 """The session's first read may take at most this many times the warm read."""
+DEFAULT_TARGET = 1.1
+"""A read with default options may take at most this many times the better tuned split's."""
 CEILING = "python source, no I/O"
 IN_MEMORY = "python source, in memory"
 """The timing of the API-ceiling peer (see ``ceiling.py``)."""
 SHARD = "bench-spark-read"
 OVERWRITTEN = "bench-spark-read-overwritten"
+SINK_WRITTEN = "bench-spark-read-sink"
 SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("s", pa.string())])
 ROW_BYTES = 8 + 8 + 32 + 4  # Arrow bytes per row (string offsets included)
 
 
-PERSIST_READS = (
-    ("persist 1/core", SHARD, 1),
-    ("persist 2/core", SHARD, 2),
-    ("persist overwritten 1/core", OVERWRITTEN, 1),
-    ("persist overwritten 2/core", OVERWRITTEN, 2),
+SHARDS = (
+    ("persist", SHARD),
+    ("persist sink-written", SINK_WRITTEN),
+    ("persist overwritten", OVERWRITTEN),
+)
+"""The shards read, by the name their timings start with: appended through the Python API,
+appended through the Spark sink, overwritten through the Python API."""
+DEFAULT = "default"
+TUNED = ("1/core", "2/core")
+PER_CORE = {DEFAULT: None, "1/core": 1, "2/core": 2}
+"""How each shard is read, by the name its timing ends with: default options, or
+``minPartitions`` that many per core with a huge ``splitSizeBytes``."""
+PERSIST_READS = tuple(
+    (f"{label} {how}", shard, per_core)
+    for label, shard in SHARDS
+    for how, per_core in PER_CORE.items()
 )
 """The persist reads timed, by name: the shard read and the partitions per core asked for
-(``minPartitions``, with a huge ``splitSizeBytes``)."""
+(``None``: default options)."""
 PARQUET = "spark parquet"
 """The timing of Spark's Parquet reader."""
 
@@ -91,7 +108,8 @@ class SparkReadOptions(Options):
 
     size_mib: int = flag(1024, "Arrow MiB of data to read", quick=16, positive=True)
     part_mib: int = flag(64, "part and Parquet file size in MiB", quick=2, positive=True)
-    cores: int = flag(2, "Spark local cores", positive=True)
+    cores: int = flag(2, "Spark cores (local[cores] unless --master)", positive=True)
+    master: str | None = flag(None, "Spark master, e.g. local-cluster[2,1,1024]")
     repeat: int = flag(2, "timed scans per reader", quick=1, positive=True)
     workdir: str | None = flag(None, "keep the data here (default: a temporary directory)")
 
@@ -242,14 +260,14 @@ def _timing(name: str, df: Any, scan: Scan, mib: float) -> Timing:
     )
 
 
-def _session(cores: int) -> Any:
+def _session(master: str) -> Any:
     from pyspark.sql import SparkSession
 
     # Spark's Python workers run this interpreter, so they import this pyspark_persist
     # (by default they run the first python3 on PATH, which may hold another copy).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     spark = (
-        SparkSession.builder.master(f"local[{cores}]")
+        SparkSession.builder.master(master)
         .appName("persist-bench-spark-read")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -264,15 +282,21 @@ def _session(cores: int) -> Any:
     return spark
 
 
-def _persist_df(spark: Any, home: str, shard: str, partitions: int) -> Any:
-    return (
-        spark.read.format("persist")
-        .option("blob", f"file://{home}/blob")
-        .option("consensus", f"sqlite:///{home}/consensus.db")
-        .option("minPartitions", str(partitions))
-        .option("splitSizeBytes", "1t")
-        .load(shard)
-    )
+def _location(home: str) -> dict[str, str]:
+    return {"blob": f"file://{home}/blob", "consensus": f"sqlite:///{home}/consensus.db"}
+
+
+def _persist_df(spark: Any, home: str, shard: str, partitions: int | None) -> Any:
+    """A read of ``shard``: default options (``partitions`` None), or ``partitions`` tasks."""
+    tuned = {} if partitions is None else {"minPartitions": str(partitions), "splitSizeBytes": "1t"}
+    return spark.read.format("persist").options(**_location(home), **tuned).load(shard)
+
+
+def write_through_sink(spark: Any, home: str, parquet_dir: str, cores: int) -> None:
+    """The Parquet copy's rows appended to SINK_WRITTEN as a user's job does: ``df.write`` with
+    default options, from ``cores`` tasks (each stages its own parts and remainder)."""
+    df = spark.read.parquet(parquet_dir).coalesce(cores)
+    df.write.format("persist").options(**_location(home)).mode("append").save(SINK_WRITTEN)
 
 
 def _no_io_df(spark: Any, rows: int, cores: int, distinct: bool = False) -> Any:
@@ -288,26 +312,30 @@ def _no_io_df(spark: Any, rows: int, cores: int, distinct: bool = False) -> Any:
 COLD_SOURCES = ("persist", "no-io")
 
 
-def cold_probe(source: str, workdir: str, cores: int, rows: int) -> dict[str, Any]:
+def cold_probe(source: str, workdir: str, master: str, cores: int, rows: int) -> dict[str, Any]:
     """In this (fresh) process: a new session's first scan of ``source``, then its best warm
-    scan (the appended shard in ``workdir`` read 1 partition per core, or the no-I/O source)."""
-    spark = _session(cores)
+    scan (the appended shard in ``workdir`` read with default options, or the no-I/O source
+    one partition per core)."""
+    spark = _session(master)
     try:
         if source == "persist":
-            df = _persist_df(spark, os.path.join(workdir, "persist"), SHARD, cores)
+            df = _persist_df(spark, os.path.join(workdir, "persist"), SHARD, None)
         else:
             df = _no_io_df(spark, rows, cores)
         first, warm = _scan_seconds(df, 2)
-        return {"first": asdict(first), "warm": asdict(warm), "partitions": cores}
+        partitions = df.rdd.getNumPartitions()
+        return {"first": asdict(first), "warm": asdict(warm), "partitions": partitions}
     finally:
         spark.stop()
 
 
-def _run_cold_probe(source: str, workdir: str, cores: int, rows: int) -> dict[str, Any]:
+def _run_cold_probe(
+    source: str, workdir: str, master: str, cores: int, rows: int
+) -> dict[str, Any]:
     """:func:`cold_probe` in a new interpreter, so nothing of this session is warm."""
     call = (
         "import json; from pyspark_persist.tools.bench.spark_read import cold_probe; "
-        f"print(json.dumps(cold_probe({source!r}, {workdir!r}, {cores}, {rows})))"
+        f"print(json.dumps(cold_probe({source!r}, {workdir!r}, {master!r}, {cores}, {rows})))"
     )
     out = subprocess.run([sys.executable, "-c", call], check=True, capture_output=True, text=True)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -325,6 +353,10 @@ class Report(Result):
     write_s: float
     """How long writing the data (shards and Parquet files) took, to 0.01 s."""
     timings: list[Timing] = field(default_factory=list)
+    master: str | None = None
+    """The Spark master the reads ran on."""
+    sink_write_s: float | None = None
+    """How long the Spark sink took to write the sink-written shard, to 0.01 s."""
 
     def timing(self, name: str) -> Timing:
         """The reader ``name``'s timing (see :data:`PERSIST_READS`)."""
@@ -333,19 +365,34 @@ class Report(Result):
             raise KeyError(f"no timing {name!r}: the run has {[t.name for t in self.timings]}")
         return found
 
-    def _faster(self, one: str, two: str) -> Timing:
-        a, b = self.timing(one), self.timing(two)
-        return a if a.seconds <= b.seconds else b
+    def tuned(self, label: str) -> Timing:
+        """The better tuned split of the shard ``label`` (see :data:`SHARDS`)."""
+        return min((self.timing(f"{label} {how}") for how in TUNED), key=lambda t: t.seconds)
+
+    def default_over_tuned(self, label: str) -> float:
+        """How many times the better tuned split's time the shard ``label``'s default read
+        took (at most :data:`DEFAULT_TARGET`)."""
+        return self.timing(f"{label} {DEFAULT}").seconds / self.tuned(label).seconds
+
+    @property
+    def default_ok(self) -> bool:
+        """Every shard's default read meets :data:`DEFAULT_TARGET`."""
+        return all(self.default_over_tuned(label) <= DEFAULT_TARGET for label, _ in SHARDS)
 
     @property
     def appended(self) -> Timing:
-        """The appended shard's best split."""
-        return self._faster("persist 1/core", "persist 2/core")
+        """The appended shard read with default options."""
+        return self.timing(f"persist {DEFAULT}")
+
+    @property
+    def sink_written(self) -> Timing:
+        """The shard the Spark sink wrote, read with default options."""
+        return self.timing(f"persist sink-written {DEFAULT}")
 
     @property
     def overwritten(self) -> Timing:
-        """The overwritten shard's best split."""
-        return self._faster("persist overwritten 1/core", "persist overwritten 2/core")
+        """The overwritten shard read with default options."""
+        return self.timing(f"persist overwritten {DEFAULT}")
 
     def _over(self, peer: str, mine: Timing) -> float:
         """How many times faster ``mine`` scanned than ``peer``."""
@@ -362,6 +409,11 @@ class Report(Result):
         return self._over(PARQUET, self.appended)
 
     @property
+    def sink_written_vs_parquet(self) -> float:
+        """The sink-written shard against Spark's Parquet reader."""
+        return self._over(PARQUET, self.sink_written)
+
+    @property
     def overwritten_vs_parquet(self) -> float:
         """The overwritten shard against Spark's Parquet reader."""
         return self._over(PARQUET, self.overwritten)
@@ -373,8 +425,13 @@ class Report(Result):
 
     @property
     def parquet_ok(self) -> bool:
-        """Both meet :data:`PARQUET_TARGET`."""
-        return min(self.persist_vs_parquet, self.overwritten_vs_parquet) >= PARQUET_TARGET
+        """Every shard's default read meets :data:`PARQUET_TARGET`."""
+        shards = (
+            self.persist_vs_parquet,
+            self.sink_written_vs_parquet,
+            self.overwritten_vs_parquet,
+        )
+        return min(shards) >= PARQUET_TARGET
 
     @property
     def ceiling_vs_parquet(self) -> float:
@@ -385,6 +442,11 @@ class Report(Result):
     def persist_vs_ceiling(self) -> float:
         """The appended shard against the no-I/O Python source."""
         return self._over(CEILING, self.appended)
+
+    @property
+    def sink_written_vs_ceiling(self) -> float:
+        """The sink-written shard against the no-I/O Python source."""
+        return self._over(CEILING, self.sink_written)
 
     @property
     def overwritten_vs_ceiling(self) -> float:
@@ -398,8 +460,13 @@ class Report(Result):
 
     @property
     def ceiling_ok(self) -> bool:
-        """Both meet :data:`CEILING_TARGET`."""
-        return min(self.persist_vs_ceiling, self.overwritten_vs_ceiling) >= CEILING_TARGET
+        """Every shard's default read meets :data:`CEILING_TARGET`."""
+        shards = (
+            self.persist_vs_ceiling,
+            self.sink_written_vs_ceiling,
+            self.overwritten_vs_ceiling,
+        )
+        return min(shards) >= CEILING_TARGET
 
     @property
     def cold_vs_warm(self) -> float:
@@ -475,12 +542,19 @@ def run(opts: SparkReadOptions) -> Report:
         step(f"spark-read: writing {opts.size_mib} MiB of rows to two shards and Parquet files")
         nrows, nbytes = write_data(opts, home, parquet_dir)
         mib = nbytes / MiB
-        report = Report(opts, nrows, round(mib, 1), round(time.perf_counter() - t0, 2))
-        step(f"spark-read: starting Spark (local[{opts.cores}])")
-        spark = _session(opts.cores)
+        master = opts.master or f"local[{opts.cores}]"
+        report = Report(
+            opts, nrows, round(mib, 1), round(time.perf_counter() - t0, 2), master=master
+        )
+        step(f"spark-read: starting Spark ({master})")
+        spark = _session(master)
         try:
+            step(f"spark-read: writing the rows through the Spark sink from {opts.cores} tasks")
+            t0 = time.perf_counter()
+            write_through_sink(spark, home, parquet_dir, opts.cores)
+            report.sink_write_s = round(time.perf_counter() - t0, 2)
             readers = {
-                name: _persist_df(spark, home, shard, per_core * opts.cores)
+                name: _persist_df(spark, home, shard, per_core and per_core * opts.cores)
                 for name, shard, per_core in PERSIST_READS
             }
             files_bytes = sum(
@@ -502,7 +576,7 @@ def run(opts: SparkReadOptions) -> Report:
             spark.stop()
         for source, label in zip(COLD_SOURCES, ("persist", CEILING), strict=True):
             step(f"spark-read: the first read of a fresh Spark session, {label}")
-            probe = _run_cold_probe(source, workdir, opts.cores, nrows)
+            probe = _run_cold_probe(source, workdir, master, opts.cores, nrows)
             for when in ("first", "warm"):
                 scan = Scan(**probe[when])
                 report.timings.append(
@@ -537,7 +611,8 @@ def format_report(report: Report) -> str:
     """The report as text for people."""
     lines = [
         f"persist Spark snapshot read: {report.rows:,} rows, {report.arrow_mib} MiB "
-        f"(Arrow), {report.options.cores} cores; data written in {report.write_s} s",
+        f"(Arrow), {report.master}, {report.options.cores} cores; data written in "
+        f"{report.write_s} s (through the Spark sink: {report.sink_write_s} s)",
     ]
     for t in report.timings:
         lines.append(
@@ -555,15 +630,26 @@ def format_report(report: Report) -> str:
         return "ok" if ok else "MISSED"
 
     lines.append(
-        f"  persist / Spark Parquet: appended "
-        f"{ratio_text(report.persist_vs_parquet, PARQUET_TARGET)}, overwritten "
+        "  default options' time / the better tuned split's: "
+        + ", ".join(
+            f"{label.removeprefix('persist').strip() or 'appended'} "
+            f"{report.default_over_tuned(label):.2f}x ({report.tuned(label).name.split()[-1]})"
+            for label, _ in SHARDS
+        )
+        + f" (target <= {DEFAULT_TARGET}x: {verdict(report.default_ok)})"
+    )
+    lines.append(
+        f"  persist (default options) / Spark Parquet: appended "
+        f"{ratio_text(report.persist_vs_parquet, PARQUET_TARGET)}, sink-written "
+        f"{ratio_text(report.sink_written_vs_parquet, PARQUET_TARGET)}, overwritten "
         f"{ratio_text(report.overwritten_vs_parquet, PARQUET_TARGET)} "
         f"(target >= {PARQUET_TARGET}x: "
         f"{verdict(report.parquet_ok)})"
     )
     lines.append(
-        f"  persist / no-I/O Python source: appended "
-        f"{ratio_text(report.persist_vs_ceiling, CEILING_TARGET)}, overwritten "
+        f"  persist (default options) / no-I/O Python source: appended "
+        f"{ratio_text(report.persist_vs_ceiling, CEILING_TARGET)}, sink-written "
+        f"{ratio_text(report.sink_written_vs_ceiling, CEILING_TARGET)}, overwritten "
         f"{ratio_text(report.overwritten_vs_ceiling, CEILING_TARGET)} "
         f"(target >= {CEILING_TARGET}x: "
         f"{verdict(report.ceiling_ok)}); that source / Spark Parquet: "
