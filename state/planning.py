@@ -359,6 +359,6 @@ def split_parts(
 
 def _pieces(p: LeasedPart) -> int:
     """How many pieces a split may cut part ``p`` into (1: it reads whole)."""
-    if p.part.inline is not None or p.part.fmt not in CUTTABLE_FORMATS:
+    if p.part.inline is not None or p.part.fmt not in CUTTABLE_FORMATS or p.part.size_bytes <= 0:
         return 1
     return max(1, -(-p.part.rows // CUT_ROWS))

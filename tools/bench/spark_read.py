@@ -221,12 +221,15 @@ def _scan_seconds(df: Any, repeat: int) -> tuple[Scan, Scan]:
 
 def _best_interleaved(dfs: Sequence[Any], repeat: int) -> list[Scan]:
     """Each DataFrame's best of ``repeat`` scans, after one warm-up scan of each, the scans
-    taken in rounds (one of each reader a round).
+    taken in rounds (one of each reader a round), every other round in reverse order.
 
     The JVM keeps compiling its hot paths over a session's first scans: timed one reader
     after the other, each reader ran faster than the one before it (in one 256 MiB run
     persist 1/core 170 MiB/s, 2/core 193, overwritten 235, Parquet 241, the no-I/O source
-    244, in that order), which charged the first readers with the warm-up.
+    244, in that order), which charged the first readers with the warm-up. In rounds of one
+    order, a reader's place still told: on local-cluster[2,1,1024] (2026-11-27, a loaded
+    machine) each shard's default read, first of its shard in every round, took 1.08-1.34x
+    the time of its 2/core read, which planned the very same tasks.
     """
     step(f"spark-read: a warm-up scan of each of {len(dfs)} readers")
     for df in dfs:
@@ -234,7 +237,9 @@ def _best_interleaved(dfs: Sequence[Any], repeat: int) -> list[Scan]:
     rounds = []
     for n in range(repeat):
         step(f"spark-read: timed round {n + 1} of {repeat}")
-        rounds.append([_scan(df) for df in dfs])
+        order = range(len(dfs)) if n % 2 == 0 else range(len(dfs) - 1, -1, -1)
+        scans = {i: _scan(dfs[i]) for i in order}
+        rounds.append([scans[i] for i in range(len(dfs))])
     return [_best(list(scans)) for scans in zip(*rounds, strict=True)]
 
 
