@@ -120,6 +120,7 @@ from .schema import (
     decode_schema,
     encode_schema,
     evolve_schema,
+    select_columns,
 )
 from .staging import BatchBuilder, StagedBatch
 from .state import PartRef, ShardState, Time
@@ -190,6 +191,7 @@ __all__ = [
     "parse_retention",
     "parse_time",
     "plan_read",
+    "select_columns",
     "state_at",
     "validate_shard_name",
 ]
