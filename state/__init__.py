@@ -125,7 +125,7 @@ from .schema import (
 from .staging import BatchBuilder, StagedBatch
 from .state import PartRef, ShardState, Time
 from .times import check_readable, describe, parse_time
-from .updates import consolidate
+from .updates import consolidate, repeat_by_diff
 from .write import WriteHandle, abandon_staged
 
 if TYPE_CHECKING:
@@ -191,6 +191,7 @@ __all__ = [
     "parse_retention",
     "parse_time",
     "plan_read",
+    "repeat_by_diff",
     "select_columns",
     "state_at",
     "validate_shard_name",
