@@ -1,0 +1,193 @@
+"""The wide-shard case of ``persist bench spark-read``: a query that needs 2 of 40 columns.
+
+A shard of ``--wide-mib`` MiB (Arrow bytes) of 40 columns (20 long, 10 double, 10
+32-char string) is written through the Spark sink, as users write, and the same rows
+with Spark's Parquet writer. In the one Spark session the narrow case uses, it times:
+
+- ``selectExpr("sum(l5)", "max(length(s7))")`` over persist read with the subset schema
+  ``l5 long, s7 string`` (only those columns read, see docs/spark.md "Reading some
+  columns"), beside Spark's Parquet reader, which prunes the same columns by itself;
+- a full scan (every column summed) of the shard, beside the no-I/O Python source
+  yielding as many rows of the same 40 columns from memory: Spark's Python Data Source
+  API's own ceiling for those rows.
+
+Both persist and Spark read at their default options (split sizes included).
+Targets: the 2-column read at least 0.8x Parquet's pruned read, the full scan at
+least 0.95x the no-I/O source.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+MiB = 1 << 20
+LONGS, DOUBLES, STRINGS = 20, 10, 10
+STRING_CHARS = 32
+ROW_BYTES = LONGS * 8 + DOUBLES * 8 + STRINGS * (STRING_CHARS + 4)
+"""Arrow bytes per row (string offsets included)."""
+SCHEMA = pa.schema(
+    [(f"l{k}", pa.int64()) for k in range(LONGS)]
+    + [(f"d{k}", pa.float64()) for k in range(DOUBLES)]
+    + [(f"s{k}", pa.string()) for k in range(STRINGS)]
+)
+LONG_RANGE = 1_000_000_007
+"""The longs lie within +-this, so Spark's (ANSI, overflow-checked) sums of them fit."""
+SHARD = "bench-spark-read-wide"
+SUBSET_SCHEMA = "l5 long, s7 string"
+SUBSET_QUERY = ("sum(l5)", "max(length(s7))")
+FULL_QUERY = tuple(
+    [f"sum(l{k})" for k in range(LONGS)]
+    + [f"sum(d{k})" for k in range(DOUBLES)]
+    + [f"sum(length(s{k}))" for k in range(STRINGS)]
+)
+SUBSET_TARGET = 0.8
+"""persist's 2-column read must be at least this fast relative to Parquet's pruned read."""
+FULL_TARGET = 0.95
+"""persist's full scan must be at least this fast relative to the no-I/O source."""
+PERSIST_SUBSET = "wide: persist, 2 of 40 columns (subset schema)"
+PARQUET_SUBSET = "wide: spark parquet, 2 of 40 columns (pruned)"
+PERSIST_FULL = "wide: persist, full scan"
+CEILING_FULL = "wide: python source, no I/O, full scan"
+
+
+def frame(spark: Any, rows: int, partitions: int) -> Any:
+    """``rows`` rows of :data:`SCHEMA`, the same every time (seeded, by row id)."""
+    exprs = (
+        [f"xxhash64(id, {k}) % {LONG_RANGE} AS l{k}" for k in range(LONGS)]
+        + [f"rand({k}) AS d{k}" for k in range(DOUBLES)]
+        + [f"md5(cast(id * {STRINGS} + {k} AS string)) AS s{k}" for k in range(STRINGS)]
+    )
+    return spark.range(0, rows, 1, partitions).selectExpr(*exprs)
+
+
+def batch(rows: int) -> pa.RecordBatch:
+    """``rows`` rows of :data:`SCHEMA` as persist's reader hands them to Spark (with
+    ``_time`` and ``_diff``): the no-I/O source's batch."""
+    import numpy as np
+
+    from pyspark_persist.schema import output_arrow_schema, read_schema
+
+    rng = np.random.default_rng(7)
+    columns: list[Any] = [rng.integers(0, LONG_RANGE, rows) for _ in range(LONGS)]
+    columns += [rng.random(rows) for _ in range(DOUBLES)]
+    hexes = np.char.zfill(np.char.mod("%x", rng.integers(0, 1 << 62, rows)), STRING_CHARS)
+    columns += [pa.array(hexes.astype(object), pa.string())] * STRINGS
+    ones = np.ones(rows, dtype=np.int64)
+    table = pa.table([*columns, ones, ones], names=[*SCHEMA.names, "_time", "_diff"])
+    target = output_arrow_schema(read_schema(SCHEMA))
+    return table.cast(target).combine_chunks().to_batches()[0]
+
+
+@dataclass
+class WideReport:
+    """The wide shard's readers, by name, and the ratios the targets are judged on."""
+
+    rows: int
+    arrow_mib: float
+    write_s: float
+    """How long the Spark sink took to write the shard, to 0.01 s."""
+    parquet_write_s: float
+    """How long Spark's Parquet writer took to write the same rows, to 0.01 s."""
+    timings: list[Any] = field(default_factory=list)
+
+    def seconds(self, name: str) -> float:
+        """The best wall seconds of reader ``name``."""
+        return float(next(t.seconds for t in self.timings if t.name == name))
+
+    @property
+    def subset_vs_parquet(self) -> float:
+        """persist's 2-column read against Parquet's pruned read (above 1: faster)."""
+        return self.seconds(PARQUET_SUBSET) / self.seconds(PERSIST_SUBSET)
+
+    @property
+    def full_vs_ceiling(self) -> float:
+        """persist's full scan against the no-I/O source's."""
+        return self.seconds(CEILING_FULL) / self.seconds(PERSIST_FULL)
+
+    @property
+    def subset_ok(self) -> bool:
+        """:attr:`subset_vs_parquet` meets :data:`SUBSET_TARGET`."""
+        return self.subset_vs_parquet >= SUBSET_TARGET
+
+    @property
+    def full_ok(self) -> bool:
+        """:attr:`full_vs_ceiling` meets :data:`FULL_TARGET`."""
+        return self.full_vs_ceiling >= FULL_TARGET
+
+
+def run_wide(spark: Any, home: str, workdir: str, mib: int, cores: int, repeat: int) -> WideReport:
+    """Write the wide shard (Spark sink) and its Parquet copy, then time the four readers in
+    rounds (see ``spark_read._best_interleaved``)."""
+    from pyspark_persist.tools.bench import step
+    from pyspark_persist.tools.bench.spark_read import Scan, Timing, _best_interleaved, _no_io_df
+
+    rows = mib * MiB // ROW_BYTES
+    spark.conf.unset("spark.sql.files.maxPartitionBytes")  # Spark's default, as users read
+    location = {"blob": f"file://{home}/blob", "consensus": f"sqlite:///{home}/consensus.db"}
+    parquet_dir = os.path.join(workdir, "wide-parquet")
+    step(f"spark-read: writing the wide shard ({mib} MiB, 40 columns) through the Spark sink")
+    df = frame(spark, rows, cores)
+    started = time.perf_counter()
+    df.write.format("persist").options(**location).mode("append").save(SHARD)
+    write_s = time.perf_counter() - started
+    step("spark-read: writing the same rows with Spark's Parquet writer")
+    started = time.perf_counter()
+    df.write.mode("overwrite").parquet(parquet_dir)
+    parquet_write_s = time.perf_counter() - started
+    report = WideReport(
+        rows, round(rows * ROW_BYTES / MiB, 1), round(write_s, 2), round(parquet_write_s, 2)
+    )
+
+    def persist(schema: str | None = None) -> Any:
+        reader = spark.read.format("persist").options(**location)
+        return (reader if schema is None else reader.schema(schema)).load(SHARD)
+
+    sources = {
+        PERSIST_SUBSET: (persist(SUBSET_SCHEMA), SUBSET_QUERY),
+        PARQUET_SUBSET: (spark.read.parquet(parquet_dir), SUBSET_QUERY),
+        PERSIST_FULL: (persist(), FULL_QUERY),
+        CEILING_FULL: (_no_io_df(spark, rows, cores, schema=SCHEMA, make_batch=batch), FULL_QUERY),
+    }
+    queries = [source.selectExpr(*query) for source, query in sources.values()]
+    scans: list[Scan] = _best_interleaved(queries, repeat, exprs=())
+    for (name, (source, _)), scan in zip(sources.items(), scans, strict=True):
+        report.timings.append(
+            Timing(
+                name,
+                source.rdd.getNumPartitions(),
+                scan.seconds,
+                report.arrow_mib / scan.seconds,
+                scan.cpu_seconds,
+                scan.worker_cpu_seconds,
+            )
+        )
+    return report
+
+
+def format_wide(report: WideReport, cores: int) -> list[str]:
+    """The wide case's lines of the printout."""
+    lines = [
+        f"persist Spark read of a wide shard: {report.rows:,} rows of 40 columns, "
+        f"{report.arrow_mib} MiB (Arrow), {cores} cores; written through the Spark sink in "
+        f"{report.write_s} s (Spark's Parquet writer: {report.parquet_write_s} s)"
+    ]
+    for t in report.timings:
+        lines.append(
+            f"  {t.name:<48} {t.partitions:>3} partitions  {t.seconds:8.2f} s  "
+            + ("" if t.cpu_seconds is None else f"{t.cpu_seconds:7.2f} CPU s")
+            + ("" if t.worker_cpu_seconds is None else f" ({t.worker_cpu_seconds:.2f} workers)")
+        )
+    lines.append(
+        f"  2 of 40 columns, persist / Spark Parquet pruned: {report.subset_vs_parquet:.2f}x "
+        f"(target >= {SUBSET_TARGET}x: {'ok' if report.subset_ok else 'MISSED'})"
+    )
+    lines.append(
+        f"  full scan, persist / no-I/O Python source: {report.full_vs_ceiling:.2f}x "
+        f"(target >= {FULL_TARGET}x: {'ok' if report.full_ok else 'MISSED'})"
+    )
+    return lines
