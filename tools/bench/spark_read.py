@@ -199,10 +199,11 @@ SCAN = ("sum(id)", "sum(x)", "sum(length(s))")
 
 
 def _scan(df: Any, exprs: Sequence[str] = SCAN) -> Scan:
-    """One scan: ``df.selectExpr(*exprs)`` collected (``df`` as it is with no ``exprs``)."""
+    """One scan: ``df.selectExpr(*exprs)`` collected, a new query each time (collecting one
+    aggregate DataFrame again reuses its shuffle's output: the scan is skipped)."""
     with CpuMeter() as meter:
         started = time.perf_counter()
-        (df.selectExpr(*exprs) if exprs else df).collect()
+        df.selectExpr(*exprs).collect()
         seconds = time.perf_counter() - started
     spent = meter.split
     if spent is None:
@@ -216,9 +217,12 @@ def _scan_seconds(df: Any, repeat: int) -> tuple[Scan, Scan]:
     return first, _best([_scan(df) for _ in range(repeat)])
 
 
-def _best_interleaved(dfs: Sequence[Any], repeat: int, exprs: Sequence[str] = SCAN) -> list[Scan]:
-    """Each DataFrame's best of ``repeat`` scans, after one warm-up scan of each, the scans
-    taken in rounds (one of each reader a round).
+def _best_interleaved(
+    dfs: Sequence[Any], repeat: int, exprs: Sequence[Sequence[str]] | None = None
+) -> list[Scan]:
+    """Each DataFrame's best of ``repeat`` scans (``exprs``: each one's query, default
+    :data:`SCAN`), after one warm-up scan of each, the scans taken in rounds (one of each
+    reader a round).
 
     The JVM keeps compiling its hot paths over a session's first scans: timed one reader
     after the other, each reader ran faster than the one before it (in one 256 MiB run
@@ -226,12 +230,13 @@ def _best_interleaved(dfs: Sequence[Any], repeat: int, exprs: Sequence[str] = SC
     244, in that order), which charged the first readers with the warm-up.
     """
     step(f"spark-read: a warm-up scan of each of {len(dfs)} readers")
-    for df in dfs:
-        _scan(df, exprs)
+    queries = list(zip(dfs, exprs or [SCAN] * len(dfs), strict=True))
+    for df, query in queries:
+        _scan(df, query)
     rounds = []
     for n in range(repeat):
         step(f"spark-read: timed round {n + 1} of {repeat}")
-        rounds.append([_scan(df, exprs) for df in dfs])
+        rounds.append([_scan(df, query) for df, query in queries])
     return [_best(list(scans)) for scans in zip(*rounds, strict=True)]
 
 

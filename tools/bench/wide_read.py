@@ -153,8 +153,11 @@ def run_wide(spark: Any, home: str, workdir: str, mib: int, cores: int, repeat: 
         PERSIST_FULL: (persist(), FULL_QUERY),
         CEILING_FULL: (_no_io_df(spark, rows, cores, schema=SCHEMA, make_batch=batch), FULL_QUERY),
     }
-    queries = [source.selectExpr(*query) for source, query in sources.values()]
-    scans: list[Scan] = _best_interleaved(queries, repeat, exprs=())
+    scans: list[Scan] = _best_interleaved(
+        [source for source, _ in sources.values()],
+        repeat,
+        [query for _, query in sources.values()],
+    )
     for (name, (source, _)), scan in zip(sources.items(), scans, strict=True):
         report.timings.append(
             Timing(
