@@ -19,6 +19,7 @@ def wide_report(seconds: dict[str, float]) -> wide_read.WideReport:
 
 SECONDS = {
     wide_read.PERSIST_SUBSET: 0.30,
+    wide_read.PERSIST_SUBSET_PER_CORE: 0.27,
     wide_read.PARQUET_SUBSET: 0.27,
     wide_read.CEILING_SUBSET: 0.25,
     wide_read.PERSIST_FULL: 2.0,
@@ -30,6 +31,7 @@ SECONDS = {
 def test_the_wide_ratios_pair_the_same_runs_readers_and_judge_the_targets() -> None:
     report = wide_report(SECONDS)
     assert report.subset_vs_parquet == pytest.approx(0.9) and report.subset_ok
+    assert report.subset_per_core_vs_parquet == pytest.approx(1.0)
     assert report.full_vs_ceiling == pytest.approx(0.8) and not report.full_ok
     assert report.full_default_vs_ceiling == pytest.approx(0.6)
     lines = wide_read.format_wide(report, 2)
