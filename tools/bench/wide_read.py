@@ -109,6 +109,23 @@ class WideReport:
         """The best wall seconds of reader ``name``."""
         return float(next(t.seconds for t in self.timings if t.name == name))
 
+    def cpu_ratio(self, peer: str, mine: str) -> float | None:
+        """The least CPU seconds a scan of ``peer`` cost over ``mine``'s (None off Linux):
+        on a machine others load, steadier than the wall-time ratio."""
+        cpu = {t.name: t.cpu_seconds for t in self.timings}
+        a, b = cpu.get(peer), cpu.get(mine)
+        return None if a is None or not b else float(a) / float(b)
+
+    @property
+    def subset_cpu_vs_parquet(self) -> float | None:
+        """:attr:`subset_vs_parquet` in CPU seconds (Spark's JVM and Python workers)."""
+        return self.cpu_ratio(PARQUET_SUBSET, PERSIST_SUBSET)
+
+    @property
+    def full_cpu_vs_ceiling(self) -> float | None:
+        """:attr:`full_vs_ceiling` in CPU seconds."""
+        return self.cpu_ratio(CEILING_FULL, PERSIST_FULL_PER_CORE)
+
     @property
     def subset_vs_parquet(self) -> float:
         """persist's 2-column read against Parquet's pruned read (above 1: faster)."""
@@ -243,4 +260,10 @@ def format_wide(report: WideReport, cores: int) -> list[str]:
         f"{'ok' if report.full_ok else 'MISSED'}); at persist's default splits: "
         f"{report.full_default_vs_ceiling:.2f}x"
     )
+    subset_cpu, full_cpu = report.subset_cpu_vs_parquet, report.full_cpu_vs_ceiling
+    if subset_cpu is not None and full_cpu is not None:
+        lines.append(
+            f"  the same in CPU seconds: 2 of 40 columns / Parquet pruned {subset_cpu:.2f}x; "
+            f"full scan / no-I/O source {full_cpu:.2f}x"
+        )
     return lines
