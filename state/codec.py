@@ -319,7 +319,8 @@ def iter_part_batches(
     ``_time`` and ``_diff``, which every batch has. A query that needs 2 of 40
     columns so pays for 2: Parquet decodes only their column chunks, and an Arrow
     batch is narrowed to them without a copy (the other columns' bytes are never
-    decoded or copied; only :func:`~.fetch.fetch_part_bytes`' checksum reads them). A named column the part lacks (it was written before the column was
+    decoded or copied; only the checksum of :func:`~.fetch.fetch_part_bytes` reads
+    them). A named column the part lacks (it was written before the column was
     added) is left out, for :func:`~.schema.conform_columns` to read as null.
     """
     try:
