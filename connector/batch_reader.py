@@ -65,6 +65,8 @@ from pyspark_persist.options import (
 )
 from pyspark_persist.source import blob_for, client_for, freeze_worker_heap
 from pyspark_persist.state import (
+    DIFF,
+    TIME,
     LeasedPart,
     PartRef,
     PersistClient,
@@ -79,10 +81,15 @@ from pyspark_persist.state import (
     iter_parts,
     open_consensus,
     plan_read,
+    repeat_by_diff,
     state_at,
 )
 from pyspark_persist.state.errors import LeaseExpired, ShardDropped, ShardNotFound
-from pyspark_persist.stream_reader import PersistInputPartition, read_partition
+from pyspark_persist.stream_reader import (
+    PersistInputPartition,
+    check_diffs_shown,
+    read_partition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +103,18 @@ class BatchPartition(PersistInputPartition):
 
 
 class ConsolidatingPartition(BatchPartition):
-    """A task that must consolidate its parts (some hold retractions)."""
+    """A task that must consolidate its parts (some hold retractions).
+
+    Rows are consolidated whole, so it reads every column of ``row_schema`` (the
+    shard's at planning) whatever the query returns, then keeps the query's: a
+    column subset sees the very rows and diffs a full read does.
+    """
+
+    def __init__(
+        self, blob_uri: str, parts: Sequence[LeasedPart], lease: BatchLease, row_schema: pa.Schema
+    ) -> None:
+        super().__init__(blob_uri, parts, lease)
+        self.row_schema = row_schema
 
 
 @dataclass(frozen=True)
@@ -198,8 +216,11 @@ class PersistBatchReader(DataSourceReader):
 
     def partitions(self) -> Sequence[InputPartition]:
         """Lease the snapshot at ``asOf`` and split it (driver)."""
+        from pyspark_persist.schema import read_columns
+
         client = client_for(self._opts)
         shard = client.open_shard(self._opts.shard, create=False)
+        read_columns(shard.schema, self._schema, self._opts.shard, self._opts.columns)
         # The driver does not heartbeat: Spark tells a batch reader nothing when its tasks
         # finish. The tasks heartbeat the lease while they run (BatchLease), and once they are
         # done it runs out after leaseSeconds (default reader_lease_s).
@@ -220,7 +241,8 @@ class PersistBatchReader(DataSourceReader):
             log.debug("persist: %s parts left after the pushed filters", len(plan.parts))
         lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
         if plan.may_retract:
-            return [ConsolidatingPartition(client.blob.uri, plan.parts, lease)]
+            # The newest schema this process knows covers every part of the plan's state.
+            return [ConsolidatingPartition(client.blob.uri, plan.parts, lease, shard.schema)]
         return [BatchPartition(client.blob.uri, s, lease) for s in plan.splits]
 
     def _split_limits(self) -> ReadLimits:
@@ -259,6 +281,7 @@ class PersistBatchReader(DataSourceReader):
             upper = state.upper
         check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
         plan = plan_read(state, blob_uri, lower=lower, upper=upper, limits=self._split_limits())
+        check_diffs_shown(self._schema, plan.parts, opts.shard)
         lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
         return [BatchPartition(blob_uri, s, lease) for s in plan.splits]
 
@@ -279,14 +302,21 @@ class PersistBatchReader(DataSourceReader):
         target = output_arrow_schema(self._schema)
         keeper = _LeaseKeeper(self._opts, partition.lease)
         keeper.beat()
-        row_columns = [n for n in target.names if n not in ("_time", "_diff")]
+        rows = partition.row_schema
+        whole = pa.schema(
+            [*rows, pa.field(TIME, pa.int64(), False), pa.field(DIFF, pa.int64(), False)]
+        )
+        blob = blob_for(partition.blob_uri)
         parts = []
-        for table in iter_parts(blob_for(partition.blob_uri), partition.leased_parts()):
+        for table in iter_parts(blob, partition.leased_parts(), schema=rows, time_type=pa.int64()):
             keeper.beat()
-            parts.append(conform_columns(table, target).cast(target))
-        if parts:
-            table = consolidate(pa.concat_tables(parts), row_columns)
-            yield from table.select(target.names).cast(target).to_batches()
+            parts.append(table.cast(whole))
+        if not parts:
+            return
+        table = consolidate(pa.concat_tables(parts), rows.names)
+        if DIFF not in target.names:
+            table = repeat_by_diff(table, self._opts.shard)
+        yield from conform_columns(table, target).cast(target).to_batches()
 
 
 class PersistPushdownBatchReader(PersistBatchReader):

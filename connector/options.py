@@ -66,6 +66,7 @@ RETENTION = "retention"
 MERGE_SCHEMA = "mergeschema"
 CHECKPOINT = "checkpointlocation"
 FILTER_PUSHDOWN = "filterpushdown"
+COLUMNS = "columns"
 QUERY_NAME = "queryname"
 PATHS = "paths"
 
@@ -351,6 +352,18 @@ OPTIONS: tuple[OptionName, ...] = (
         ),
     ),
     OptionName(
+        "columns",
+        COLUMNS,
+        _READS,
+        doc=OptionDoc(
+            "all",
+            "read only these of the shard's columns (comma-separated), then `_time` and "
+            "`_diff`: the others are neither decoded nor copied. The same as a `.schema(...)` "
+            "naming them (see [Reading some columns](spark.md#reading-some-columns)); a "
+            "column the shard lacks fails before any task runs, e.g. `l5,s7`",
+        ),
+    ),
+    OptionName(
         "filterPushdown",
         FILTER_PUSHDOWN,
         _READ,
@@ -539,6 +552,8 @@ class PersistOptions:
     part_size_bytes: int | None = None
     checkpoint_location: str | None = None
     filter_pushdown: bool = False
+    columns: tuple[str, ...] | None = None
+    """The shard's columns to read (``columns``), in order; None: the schema's."""
     lease_seconds: int | None = None
     retention_ms: int | None = None
     """The shard's retention period to set (on creation or after); None leaves it as it is."""
@@ -641,11 +656,29 @@ class PersistOptions:
             part_size_bytes=_size(opts, said, PART_SIZE),
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
+            columns=_columns(opts, said),
             lease_seconds=_int(opts, said, LEASE_SECONDS, minimum=1),
             retention_ms=_retention(opts, said),
             merge_schema=_bool(opts, said, MERGE_SCHEMA, default=False),
             said={k: v for k, v in said.items() if k in opts},
         )
+
+
+def _columns(opts: Mapping[str, str], said: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The ``columns`` option: the names, in order (whether the shard has them is checked
+    against its schema when the read is planned)."""
+    raw = opts.get(COLUMNS)
+    if raw is None or raw == "":
+        return None
+    names = tuple(n.strip() for n in raw.split(","))
+    if not all(names):
+        raise InvalidUsage(
+            f"persist: option {said[COLUMNS]}={raw!r} has an empty name: give column names "
+            "separated by commas, e.g. l5,s7"
+        )
+    if len(set(names)) != len(names):
+        raise InvalidUsage(f"persist: option {said[COLUMNS]}={raw!r} names a column twice")
+    return names
 
 
 def _retention(opts: Mapping[str, str], said: Mapping[str, str]) -> int | None:
@@ -664,7 +697,7 @@ def _check_history(opts: Mapping[str, str], said: Mapping[str, str]) -> None:
     if not _bool(opts, said, HISTORY, default=False):
         return
     data = [said[k] for k in (AS_OF, READ_CHANGES, STARTING_TIME, STARTING_SEQNO) if opts.get(k)]
-    data += [said[k] for k in (ENDING_TIME, ENDING_SEQNO, FILTER_PUSHDOWN) if opts.get(k)]
+    data += [said[k] for k in (ENDING_TIME, ENDING_SEQNO, FILTER_PUSHDOWN, COLUMNS) if opts.get(k)]
     if data:
         raise InvalidUsage(
             f"persist: history reads the shard's commits, so {', '.join(data)} do(es) not apply: "

@@ -12,8 +12,11 @@ import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import LongType, StructField, StructType
 
-from pyspark_persist.state import DIFF, TIME, evolve_schema
+from pyspark_persist.state import DIFF, TIME, evolve_schema, select_columns
 from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
+
+RESERVED = (TIME, DIFF)
+"""The columns every read may return besides the shard's."""
 
 
 def read_schema(shard_schema: pa.Schema) -> StructType:
@@ -22,6 +25,54 @@ def read_schema(shard_schema: pa.Schema) -> StructType:
     return StructType(
         [*fields, StructField(TIME, LongType(), False), StructField(DIFF, LongType(), False)]
     )
+
+
+def read_columns(
+    shard_schema: pa.Schema,
+    schema: StructType,
+    shard: str,
+    columns: tuple[str, ...] | None = None,
+) -> list[str]:
+    """The shard columns a read returning ``schema`` reads, in its order; checked on the
+    driver before any task runs.
+
+    ``schema`` is what Spark hands the reader: the user's ``.schema(...)``, or the
+    one :func:`read_schema` derived. Each of its columns must be one of the shard's
+    with the type Spark reads it as (and nullable where the shard's is), or
+    ``_time``/``_diff`` as ``long``; ``columns`` (the option), if also given, must
+    name the same ones. A mismatch is a SchemaMismatch naming the column, both types
+    and the fix, instead of nulls or a failed cast in a task.
+    """
+    who = "persist read"
+    for name in RESERVED:
+        if name in schema.fieldNames() and not isinstance(schema[name].dataType, LongType):
+            raise SchemaMismatch(
+                f"{who}: column {name} is a long (bigint), not "
+                f"{schema[name].dataType.simpleString()}: declare it as long in the schema"
+            )
+    names = [n for n in schema.fieldNames() if n not in RESERVED]
+    if columns is not None and names != [n for n in columns if n not in RESERVED]:
+        raise InvalidUsage(
+            f"{who}: the schema's columns {names} and option columns={','.join(columns)} "
+            "differ: give one of them (either reads only the columns it names)"
+        )
+    selected = select_columns(shard_schema, names, shard, who)
+    for field, stored in zip(
+        (schema[n] for n in names), from_arrow_schema(selected).fields, strict=True
+    ):
+        if field.dataType != stored.dataType:
+            raise SchemaMismatch(
+                f"{who}: column {field.name!r} of shard {shard!r} is "
+                f"{stored.dataType.simpleString()}, but the schema says "
+                f"{field.dataType.simpleString()}: declare it as "
+                f"{stored.dataType.simpleString()} (cast it after reading for another type)"
+            )
+        if stored.nullable and not field.nullable:
+            raise SchemaMismatch(
+                f"{who}: column {field.name!r} of shard {shard!r} may hold nulls, but the schema "
+                "declares it NOT NULL: declare it nullable"
+            )
+    return names
 
 
 def output_arrow_schema(schema: StructType) -> pa.Schema:

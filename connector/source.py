@@ -132,7 +132,9 @@ class PersistDataSource(DataSource):
         return "persist"
 
     def schema(self) -> StructType:
-        """The shard's columns plus ``_time`` and ``_diff`` (the shard must exist to be read)."""
+        """The shard's columns (those of the ``columns`` option, if given) plus ``_time`` and
+        ``_diff`` (the shard must exist to be read). Spark asks only when the user gave no
+        ``.schema(...)``; the readers check a given one (``schema.read_columns``)."""
         from pyspark_persist.schema import read_schema
 
         opts = PersistOptions.parse(self.options, "read_schema")
@@ -143,6 +145,12 @@ class PersistDataSource(DataSource):
         # Spark asks once, in a planner worker on the driver: one Consensus read, and no
         # PubSub connection (with pubsub=auto that worker could even end up serving it).
         shard = client_for(opts, pubsub=False).open_shard(opts.shard, create=False)
+        if opts.columns is not None:
+            from pyspark_persist.state import select_columns
+
+            return read_schema(
+                select_columns(shard.schema, opts.columns, opts.shard, "persist read")
+            )
         return read_schema(shard.schema)
 
     def reader(self, schema: StructType) -> DataSourceReader:

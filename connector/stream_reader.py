@@ -49,6 +49,7 @@ from pyspark_persist.options import (
 )
 from pyspark_persist.source import blob_for, freeze_worker_heap
 from pyspark_persist.state import (
+    DIFF,
     NO_LIMITS,
     TIME,
     LeasedPart,
@@ -60,9 +61,10 @@ from pyspark_persist.state import (
     decode_schema,
     iter_parts,
     plan_read,
+    repeat_by_diff,
     state_at,
 )
-from pyspark_persist.state.errors import DataLoss, SchemaChanged
+from pyspark_persist.state.errors import DataLoss, InvalidUsage, SchemaChanged
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +182,18 @@ class LeaseHolder:
         self._opts = opts
         self._client = client_for(opts)
         self._shard = self._client.open_shard(opts.shard, create=False)
-        names = self._shard.schema.names if schema is None else schema.fieldNames()
-        self._columns = frozenset(names)
+        self._schema = schema
+        shard_columns = self._shard.schema.names
+        names = shard_columns
+        if schema is not None:
+            from pyspark_persist.schema import read_columns
+
+            names = read_columns(self._shard.schema, schema, opts.shard, opts.columns)
+        self._columns: frozenset[str] | None = (
+            frozenset(names) if set(names) >= set(shard_columns) else None
+        )
+        """The query's columns if it reads all of the shard's (see :meth:`check_schema`);
+        None when it reads some only: a column added later is then none of its business."""
         self._checked_schema: bytes | None = None
         self._reader: ReadHandle = self._shard.reader()
         self.holds = HoldUpdater(self._reader)
@@ -303,7 +315,7 @@ class LeaseHolder:
         missing from the query's means its schema changed. Checked before
         every micro-batch is cut or planned, so nothing past it is emitted.
         """
-        if state.schema == self._checked_schema:
+        if state.schema == self._checked_schema or self._columns is None:
             return
         added = [f for f in decode_schema(state.schema) if f.name not in self._columns]
         if added:
@@ -365,6 +377,8 @@ class LeaseHolder:
             splits = self._snapshot_splits(batch)
         else:
             splits = self._listen_splits(state, batch)
+        if self._schema is not None:
+            check_diffs_shown(self._schema, [p for s in splits for p in s], self._opts.shard)
         blob_uri = self._client.blob.uri
         return [PersistInputPartition(blob_uri, s) for s in splits]
 
@@ -530,18 +544,41 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 def read_partition(
     partition: PersistInputPartition, schema: StructType
 ) -> Iterator[pa.RecordBatch]:
-    """Fetch a partition's parts (the next one while emitting the current) as Arrow batches."""
-    from pyspark_persist.schema import output_arrow_schema
+    """Fetch a partition's parts (the next one while emitting the current) as Arrow batches
+    of ``schema``: only its columns are read (see :func:`read_columns`), and without a
+    ``_diff`` column each update is repeated ``_diff`` times."""
+    from pyspark_persist.schema import RESERVED, output_arrow_schema
 
     freeze_worker_heap()
 
     target = output_arrow_schema(schema)
     parts = partition.leased_parts()
-    time_type = target.field(TIME).type
-    for table in iter_parts(blob_for(partition.blob_uri), parts, time_type=time_type):
+    if not parts:
+        return
+    columns = [n for n in target.names if n not in RESERVED]
+    time_type = target.field(TIME).type if TIME in target.names else pa.int64()
+    bag = DIFF not in target.names
+    blob = blob_for(partition.blob_uri)
+    for table in iter_parts(blob, parts, time_type=time_type, columns=columns):
         if not table.num_rows:
             continue
+        if bag:
+            table = repeat_by_diff(table, parts[0].shard_id)
         if not table.schema.equals(target):  # usually equal: the stored types are Spark's
             # A part written before a column was added reads null there.
             table = conform_columns(table, target).cast(target)
         yield from table.to_batches()
+
+
+def check_diffs_shown(schema: StructType, parts: Sequence[LeasedPart], shard: str) -> None:
+    """Refuse, before its tasks run, a read without ``_diff`` of parts that hold retractions:
+    a row cannot be repeated -1 times (see :func:`~pyspark_persist.state.repeat_by_diff`)."""
+    if DIFF in schema.fieldNames():
+        return
+    dmin = min((d for d in (p.part.effective_dmin for p in parts) if d is not None), default=1)
+    if dmin < 1:
+        raise InvalidUsage(
+            f"persist read: these changes of shard {shard!r} hold retractions (_diff {dmin}), "
+            "which a read without a _diff column cannot show: add _diff (long) to the schema "
+            "(or filter _diff > 0 after reading it)"
+        )

@@ -120,11 +120,12 @@ from .schema import (
     decode_schema,
     encode_schema,
     evolve_schema,
+    select_columns,
 )
 from .staging import BatchBuilder, StagedBatch
 from .state import PartRef, ShardState, Time
 from .times import check_readable, describe, parse_time
-from .updates import consolidate
+from .updates import consolidate, repeat_by_diff
 from .write import WriteHandle, abandon_staged
 
 if TYPE_CHECKING:
@@ -190,6 +191,8 @@ __all__ = [
     "parse_retention",
     "parse_time",
     "plan_read",
+    "repeat_by_diff",
+    "select_columns",
     "state_at",
     "validate_shard_name",
 ]

@@ -14,7 +14,7 @@ bytes come from or go is the caller's business (:mod:`.fetch`, :mod:`.part_forma
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import pyarrow as pa
@@ -308,6 +308,7 @@ def iter_part_batches(
     shard_id: str,
     batch_rows: int = 65536,
     row_range: tuple[int, int] | None = None,
+    columns: Sequence[str] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """The stored updates of a part's bytes, batch by batch, whatever its format.
 
@@ -316,16 +317,30 @@ def iter_part_batches(
     ``data``, no copy. Parquet parts are decoded ``batch_rows`` rows at a time.
     With ``row_range`` only the stored rows ``[start, stop)`` (a split cut the
     part): an Arrow part's batches before ``start`` are skipped undecoded.
+
+    ``columns``: the row columns to read (None: all of them), in that order, then
+    ``_time`` and ``_diff``, which every batch has. A query that needs 2 of 40
+    columns so pays for 2: Parquet decodes only their column chunks, and an Arrow
+    batch is narrowed to them without a copy (the other columns' bytes are never
+    decoded or copied; only the checksum of :func:`~.fetch.fetch_part_bytes` reads
+    them). A named column the part lacks (it was written before the column was
+    added) is left out, for :func:`~.schema.conform_columns` to read as null.
     """
     try:
         if part.inline is not None or part.fmt == ARROW:
-            yield from _rows(pa.ipc.open_stream(pa.py_buffer(data)), row_range)
+            stream = pa.ipc.open_stream(pa.py_buffer(data))
+            yield from _rows(_selected(stream, columns), row_range)
         elif part.fmt == ARROW_ROWS:
-            batches = _rows(pa.ipc.open_stream(pa.py_buffer(data)), row_range)
+            stream = pa.ipc.open_stream(pa.py_buffer(data))
+            batches = _rows(_selected(stream, columns, rows_only=True), row_range)
             yield from _with_insert_columns(batches, part, shard_id)
         elif part.fmt == PARQUET:
             parquet = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data)))
-            yield from _rows(parquet.iter_batches(batch_size=batch_rows), row_range)
+            wanted = None
+            if columns is not None:
+                wanted = _names_in(parquet.schema_arrow, columns)
+            batches = parquet.iter_batches(batch_size=batch_rows, columns=wanted)
+            yield from _rows(batches, row_range)
         else:
             raise CorruptData(
                 f"part {part.key!r} of shard {shard_id!r} has format {part.fmt!r}, which this "
@@ -353,6 +368,31 @@ def _rows(
         if end >= stop:
             return
         at = end
+
+
+def _names_in(schema: pa.Schema, columns: Sequence[str], rows_only: bool = False) -> list[str]:
+    """The ``columns`` a part's ``schema`` has, in that order, then ``_time`` and ``_diff``
+    (unless the part stores ``rows_only``)."""
+    have = set(schema.names)
+    names = [n for n in columns if n in have and n not in RESERVED]
+    return names if rows_only else [*names, TIME, DIFF]
+
+
+def _selected(
+    reader: pa.ipc.RecordBatchStreamReader, columns: Sequence[str] | None, rows_only: bool = False
+) -> Iterator[pa.RecordBatch]:
+    """An IPC stream's batches narrowed to ``columns`` (see :func:`_names_in`): views of the
+    same buffers, nothing copied."""
+    if columns is None:
+        yield from reader
+        return
+    schema = reader.schema
+    indices = [schema.get_field_index(n) for n in _names_in(schema, columns, rows_only)]
+    if indices == list(range(len(schema))):
+        yield from reader
+        return
+    for rb in reader:
+        yield rb.select(indices)
 
 
 def _with_insert_columns(

@@ -35,7 +35,7 @@ from .errors import InvalidFrontier, LeaseExpired, PartNotFound, ShardDropped
 from .fetch import fetch_part_bytes, release_memory
 from .machine import Count, Machine
 from .planning import NO_LIMITS, LeasedPart, PartTotals, ReadLimits, ReadPlan, plan_read
-from .schema import TIME_TYPE, conform_columns, data_schema, decode_schema
+from .schema import TIME_TYPE, conform_columns, data_schema, decode_schema, select_columns
 from .state import Batch, PartRef, ShardState, Time
 from .tracing import traced
 from .updates import consolidate, shape_updates
@@ -79,6 +79,7 @@ def iter_parts(
     batch_rows: int = 65536,
     schema: pa.Schema | None = None,
     time_type: pa.DataType = TIME_TYPE,
+    columns: Sequence[str] | None = None,
 ) -> Iterator[pa.Table]:
     """Yield the shaped updates of ``parts`` in slices, fetching the next part meanwhile.
 
@@ -87,7 +88,10 @@ def iter_parts(
     shard's row columns at the read) every slice has exactly its columns: a
     part written before a column was added reads null there.
     ``_time`` comes out as ``time_type`` (see
-    :func:`~pyspark_persist.state.updates.shape_updates`).
+    :func:`~pyspark_persist.state.updates.shape_updates`). ``columns``: read only these
+    row columns (and ``_time``, ``_diff``), in this order: the others are neither
+    decoded nor copied (see :func:`~.codec.iter_part_batches`); with ``schema`` every
+    slice then has exactly them, a part that lacks one reading null there.
 
     Holds the bytes of at most two parts plus one decoded slice: about
     ``3 * part_target_bytes`` whatever the number of parts. Parts under
@@ -95,11 +99,15 @@ def iter_parts(
     """
     if not parts:
         return
-    target = None if schema is None else data_schema(schema)
+    target = None
+    if schema is not None:
+        if columns is not None:
+            schema = select_columns(schema, columns, parts[0].shard_id, "read")
+        target = data_schema(schema)
 
     def shaped(data: memoryview, leased: LeasedPart) -> Iterator[pa.Table]:
         batches = iter_part_batches(
-            data, leased.part, leased.shard_id, batch_rows, leased.row_range
+            data, leased.part, leased.shard_id, batch_rows, leased.row_range, columns
         )
         for rb in batches:
             table = shape_updates(rb, leased, time_type)

@@ -14,6 +14,7 @@ alone (the caches below only remember answers).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -161,6 +162,30 @@ def evolve_schema(current: pa.Schema, incoming: pa.Schema, shard: str, who: str)
     for f in added:
         evolved = evolved.append(f)
     return evolved
+
+
+def select_columns(schema: pa.Schema, columns: Sequence[str], shard: str, who: str) -> pa.Schema:
+    """The shard's row ``schema`` narrowed to ``columns``, in their order: what a read of
+    only those columns returns (``_time`` and ``_diff`` may be named; they are left out).
+
+    A name the shard lacks is refused (SchemaMismatch naming it, a column that differs
+    only in case, and the shard's columns), before anything is read.
+    """
+    names = [n for n in columns if n not in RESERVED]
+    if len(set(names)) != len(names):
+        raise InvalidUsage(f"{who}: column(s) named twice in {list(columns)}: name each once")
+    missing = [n for n in names if n not in schema.names]
+    if missing:
+        lower = {n.lower(): n for n in schema.names}
+        hints = [
+            f"{n!r} (did you mean {lower[n.lower()]!r}?)" for n in missing if n.lower() in lower
+        ]
+        plain = [repr(n) for n in missing if n.lower() not in lower]
+        raise SchemaMismatch(
+            f"{who}: shard {shard!r} has no column(s) {', '.join(hints + plain)}; its columns "
+            f"are {', '.join(schema.names)} (and {TIME}, {DIFF}): read only columns it has"
+        )
+    return pa.schema([schema.field(n) for n in names])
 
 
 def conform_columns(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -10,10 +10,12 @@ functions of Arrow tables.
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .columns import constant_column, int_scalar
+from .columns import bounds, constant_column, int_scalar
+from .errors import InvalidUsage
 from .planning import LeasedPart
 from .schema import DIFF, DIFF_TYPE, TIME, TIME_TYPE
 
@@ -84,3 +86,26 @@ def consolidate(table: pa.Table, row_columns: list[str]) -> pa.Table:
         schema=table.schema,
     )
     return out.filter(pc.not_equal(out.column(DIFF), int_scalar(0, DIFF_TYPE)))
+
+
+def repeat_by_diff(table: pa.Table, shard: str) -> pa.Table:
+    """Each update ``_diff`` times: the bag of rows a read shows when it returns no ``_diff``
+    (a Spark schema that leaves it out), so counts and sums come out as with it.
+
+    Free when every diff is +1 (inserts: the common case). A retraction (or a zero) has
+    no such form: InvalidUsage naming the fix, return ``_diff``.
+    """
+    n = table.num_rows
+    if n == 0:
+        return table
+    low, high = bounds(table.column(DIFF), n)
+    if low == high == 1:
+        return table
+    if low < 1:
+        raise InvalidUsage(
+            f"persist read: shard {shard!r} holds retractions (_diff {low}) where this read "
+            "returns no _diff column, so it cannot show them: add _diff (long) to the schema "
+            "(or read a time whose collection has none)"
+        )
+    diffs = table.column(DIFF).to_numpy()
+    return table.take(np.repeat(np.arange(n), diffs))

@@ -44,8 +44,11 @@ def run_available_now(
     checkpoint: Path,
     options: dict[str, str] | None = None,
     on_batch: Any = None,
+    schema: str | None = None,
 ) -> list[list[Any]]:
-    """Run the source with Trigger.AvailableNow; every micro-batch's rows, in order."""
+    """Run the source with Trigger.AvailableNow; every micro-batch's rows, in order.
+
+    ``schema``: the query's ``.schema(...)`` (default: the shard's, as Spark asks it)."""
     batches: dict[int, list[Any]] = {}
 
     def collect(df: DataFrame, batch_id: int) -> None:
@@ -55,6 +58,8 @@ def run_available_now(
 
     name = shard if isinstance(shard, str) else shard.name
     reader = spark.readStream.format("persist")
+    if schema is not None:
+        reader = reader.schema(schema)
     for k, v in (options or {}).items():
         reader = reader.option(k, v)
     q = (

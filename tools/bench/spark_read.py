@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,8 +57,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pyspark_persist.tools.bench import ratio_text, step
-from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, csv, flag, json_value
 from pyspark_persist.tools.bench.cpu import CpuMeter, own_cpu
+from pyspark_persist.tools.bench.wide_read import WideReport, format_wide, run_wide
 
 MiB = 1 << 20
 PARQUET_TARGET = 1.0
@@ -100,6 +101,8 @@ PERSIST_READS = tuple(
 (``None``: default options)."""
 PARQUET = "spark parquet"
 """The timing of Spark's Parquet reader."""
+CASES = ("narrow", "wide")
+"""The shards read: the 3-column one of every reader above, the 40-column one of wide_read.py."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,14 @@ class SparkReadOptions(Options):
     master: str | None = flag(None, "Spark master, e.g. local-cluster[2,1,1024]")
     repeat: int = flag(2, "timed scans per reader", quick=1, positive=True)
     workdir: str | None = flag(None, "keep the data here (default: a temporary directory)")
+    cases: tuple[str, ...] = flag(
+        CASES,
+        "which shards to read (comma list): narrow (3 columns, every reader above), wide "
+        "(40 columns: 2 of them with a subset schema, and the full scan; see wide_read.py)",
+        parse=csv,
+        choices=CASES,
+    )
+    wide_mib: int = flag(512, "Arrow MiB of the wide shard", quick=16, positive=True)
 
 
 @dataclass(frozen=True)
@@ -201,11 +212,16 @@ def read_batch(rows: int) -> pa.RecordBatch:
     return table.cast(output_arrow_schema(read_schema(SCHEMA))).combine_chunks().to_batches()[0]
 
 
-def _scan(df: Any) -> Scan:
-    """One full scan, every column read."""
+SCAN = ("sum(id)", "sum(x)", "sum(length(s))")
+"""The narrow shard's full scan: every column read."""
+
+
+def _scan(df: Any, exprs: Sequence[str] = SCAN) -> Scan:
+    """One scan: ``df.selectExpr(*exprs)`` collected, a new query each time (collecting one
+    aggregate DataFrame again reuses its shuffle's output: the scan is skipped)."""
     with CpuMeter() as meter:
         started = time.perf_counter()
-        df.selectExpr("sum(id)", "sum(x)", "sum(length(s))").collect()
+        df.selectExpr(*exprs).collect()
         seconds = time.perf_counter() - started
     spent = meter.split
     if spent is None:
@@ -219,9 +235,12 @@ def _scan_seconds(df: Any, repeat: int) -> tuple[Scan, Scan]:
     return first, _best([_scan(df) for _ in range(repeat)])
 
 
-def _best_interleaved(dfs: Sequence[Any], repeat: int) -> list[Scan]:
-    """Each DataFrame's best of ``repeat`` scans, after one warm-up scan of each, the scans
-    taken in rounds (one of each reader a round), every other round in reverse order.
+def _best_interleaved(
+    dfs: Sequence[Any], repeat: int, exprs: Sequence[Sequence[str]] | None = None
+) -> list[Scan]:
+    """Each DataFrame's best of ``repeat`` scans (``exprs``: each one's query, default
+    :data:`SCAN`), after one warm-up scan of each, the scans taken in rounds (one of each
+    reader a round), every other round in reverse order.
 
     The JVM keeps compiling its hot paths over a session's first scans: timed one reader
     after the other, each reader ran faster than the one before it (in one 256 MiB run
@@ -232,14 +251,15 @@ def _best_interleaved(dfs: Sequence[Any], repeat: int) -> list[Scan]:
     the time of its 2/core read, which planned the very same tasks.
     """
     step(f"spark-read: a warm-up scan of each of {len(dfs)} readers")
-    for df in dfs:
-        _scan(df)
+    queries = list(zip(dfs, exprs or [SCAN] * len(dfs), strict=True))
+    for df, query in queries:
+        _scan(df, query)
     rounds = []
     for n in range(repeat):
         step(f"spark-read: timed round {n + 1} of {repeat}")
-        order = range(len(dfs)) if n % 2 == 0 else range(len(dfs) - 1, -1, -1)
-        scans = {i: _scan(dfs[i]) for i in order}
-        rounds.append([scans[i] for i in range(len(dfs))])
+        order = range(len(queries)) if n % 2 == 0 else range(len(queries) - 1, -1, -1)
+        scans = {i: _scan(*queries[i]) for i in order}
+        rounds.append([scans[i] for i in range(len(queries))])
     return [_best(list(scans)) for scans in zip(*rounds, strict=True)]
 
 
@@ -304,12 +324,21 @@ def write_through_sink(spark: Any, home: str, parquet_dir: str, cores: int) -> N
     df.write.format("persist").options(**_location(home)).mode("append").save(SINK_WRITTEN)
 
 
-def _no_io_df(spark: Any, rows: int, cores: int, distinct: bool = False) -> Any:
+def _no_io_df(
+    spark: Any,
+    rows: int,
+    cores: int,
+    distinct: bool = False,
+    schema: pa.Schema = SCHEMA,
+    make_batch: Callable[[int], pa.RecordBatch] = read_batch,
+) -> Any:
+    """The no-I/O (or with ``distinct`` the in-memory) source of ``rows`` rows of ``schema``
+    read as persist reads it, ``make_batch``'s batches (see ``ceiling.py``)."""
     from pyspark_persist.schema import read_schema
     from pyspark_persist.tools.bench.ceiling import IN_MEMORY as IN_MEMORY_SOURCE
     from pyspark_persist.tools.bench.ceiling import NO_IO, no_io_source
 
-    source = no_io_source(read_schema(SCHEMA), rows, cores, read_batch, distinct)
+    source = no_io_source(read_schema(schema), rows, cores, make_batch, distinct)
     spark.dataSource.register(source)
     return spark.read.format(IN_MEMORY_SOURCE if distinct else NO_IO).load()
 
@@ -362,6 +391,14 @@ class Report(Result):
     """The Spark master the reads ran on."""
     sink_write_s: float | None = None
     """How long the Spark sink took to write the sink-written shard, to 0.01 s."""
+    wide: WideReport | None = None
+    """The wide shard's readers (``--cases wide``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Fields and derived figures; without the narrow case, only the wide one's."""
+        if "narrow" in self.options.cases:
+            return super().to_json()
+        return {"options": json_value(self.options), "wide": json_value(self.wide)}
 
     def timing(self, name: str) -> Timing:
         """The reader ``name``'s timing (see :data:`PERSIST_READS`)."""
@@ -536,68 +573,87 @@ class Report(Result):
 
 
 def run(opts: SparkReadOptions) -> Report:
-    """Generate, write, then time each reader."""
+    """Generate, write, then time each reader of each case asked for."""
     workdir = opts.workdir or tempfile.mkdtemp(prefix="persist-bench-spark-read-")
     home = os.path.join(workdir, "persist")
     parquet_dir = os.path.join(workdir, "parquet")
     os.makedirs(home, exist_ok=True)
     os.environ["PERSIST_HOME"] = home  # Spark's Python workers inherit the location
+    narrow = "narrow" in opts.cases
     try:
-        t0 = time.perf_counter()
-        step(f"spark-read: writing {opts.size_mib} MiB of rows to two shards and Parquet files")
-        nrows, nbytes = write_data(opts, home, parquet_dir)
-        mib = nbytes / MiB
         master = opts.master or f"local[{opts.cores}]"
-        report = Report(
-            opts, nrows, round(mib, 1), round(time.perf_counter() - t0, 2), master=master
-        )
+        report = Report(opts, 0, 0.0, 0.0, master=master)
+        if narrow:
+            t0 = time.perf_counter()
+            step(f"spark-read: writing {opts.size_mib} MiB of rows to two shards and Parquet files")
+            report.rows, nbytes = write_data(opts, home, parquet_dir)
+            report.arrow_mib = round(nbytes / MiB, 1)
+            report.write_s = round(time.perf_counter() - t0, 2)
         step(f"spark-read: starting Spark ({master})")
         spark = _session(master)
         try:
-            step(f"spark-read: writing the rows through the Spark sink from {opts.cores} tasks")
-            t0 = time.perf_counter()
-            write_through_sink(spark, home, parquet_dir, opts.cores)
-            report.sink_write_s = round(time.perf_counter() - t0, 2)
-            readers = {
-                name: _persist_df(spark, home, shard, per_core and per_core * opts.cores)
-                for name, shard, per_core in PERSIST_READS
-            }
-            files_bytes = sum(
-                os.path.getsize(os.path.join(parquet_dir, f)) for f in os.listdir(parquet_dir)
-            )
-            spark.conf.set(
-                "spark.sql.files.maxPartitionBytes",
-                str(max(1 << 20, files_bytes // (2 * opts.cores) + 1)),
-            )
-            readers[PARQUET] = spark.read.parquet(parquet_dir)
-            readers[CEILING] = _no_io_df(spark, nrows, opts.cores)
-            readers[IN_MEMORY] = _no_io_df(spark, nrows, opts.cores, distinct=True)
-            scans = _best_interleaved(list(readers.values()), opts.repeat)
-            report.timings.extend(
-                _timing(name, df, scan, mib)
-                for (name, df), scan in zip(readers.items(), scans, strict=True)
-            )
+            if "wide" in opts.cases:
+                report.wide = run_wide(spark, home, workdir, opts.wide_mib, opts.cores, opts.repeat)
+            if narrow:
+                step(f"spark-read: writing the rows through the Spark sink from {opts.cores} tasks")
+                t0 = time.perf_counter()
+                write_through_sink(spark, home, parquet_dir, opts.cores)
+                report.sink_write_s = round(time.perf_counter() - t0, 2)
+                _time_narrow(spark, opts, home, parquet_dir, report, nbytes / MiB)
         finally:
             spark.stop()
-        for source, label in zip(COLD_SOURCES, ("persist", CEILING), strict=True):
-            step(f"spark-read: the first read of a fresh Spark session, {label}")
-            probe = _run_cold_probe(source, workdir, master, opts.cores, nrows)
-            for when in ("first", "warm"):
-                scan = Scan(**probe[when])
-                report.timings.append(
-                    Timing(
-                        _cold_name(label, when == "first"),
-                        probe["partitions"],
-                        scan.seconds,
-                        mib / scan.seconds,
-                        scan.cpu_seconds,
-                        scan.worker_cpu_seconds,
-                    )
-                )
+        if narrow:
+            _time_cold(opts, workdir, master, report, nbytes / MiB)
     finally:
         if opts.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     return report
+
+
+def _time_narrow(
+    spark: Any, opts: SparkReadOptions, home: str, parquet_dir: str, report: Report, mib: float
+) -> None:
+    """Time every reader of the narrow shards in ``spark``, into ``report``."""
+    readers = {
+        name: _persist_df(spark, home, shard, per_core and per_core * opts.cores)
+        for name, shard, per_core in PERSIST_READS
+    }
+    files_bytes = sum(
+        os.path.getsize(os.path.join(parquet_dir, f)) for f in os.listdir(parquet_dir)
+    )
+    spark.conf.set(
+        "spark.sql.files.maxPartitionBytes",
+        str(max(1 << 20, files_bytes // (2 * opts.cores) + 1)),
+    )
+    readers[PARQUET] = spark.read.parquet(parquet_dir)
+    readers[CEILING] = _no_io_df(spark, report.rows, opts.cores)
+    readers[IN_MEMORY] = _no_io_df(spark, report.rows, opts.cores, distinct=True)
+    scans = _best_interleaved(list(readers.values()), opts.repeat)
+    report.timings.extend(
+        _timing(name, df, scan, mib)
+        for (name, df), scan in zip(readers.items(), scans, strict=True)
+    )
+
+
+def _time_cold(
+    opts: SparkReadOptions, workdir: str, master: str, report: Report, mib: float
+) -> None:
+    """The first read of a fresh Spark session, persist's and the no-I/O source's."""
+    for source, label in zip(COLD_SOURCES, ("persist", CEILING), strict=True):
+        step(f"spark-read: the first read of a fresh Spark session, {label}")
+        probe = _run_cold_probe(source, workdir, master, opts.cores, report.rows)
+        for when in ("first", "warm"):
+            scan = Scan(**probe[when])
+            report.timings.append(
+                Timing(
+                    _cold_name(label, when == "first"),
+                    probe["partitions"],
+                    scan.seconds,
+                    mib / scan.seconds,
+                    scan.cpu_seconds,
+                    scan.worker_cpu_seconds,
+                )
+            )
 
 
 def _cold_name(label: str, first: bool) -> str:
@@ -614,6 +670,9 @@ def _own_cpu(persist: Timing, ceiling: Timing) -> dict[str, float] | None:
 
 def format_report(report: Report) -> str:
     """The report as text for people."""
+    wide = [] if report.wide is None else format_wide(report.wide, report.options.cores)
+    if "narrow" not in report.options.cases:
+        return "\n".join(wide)
     lines = [
         f"persist Spark snapshot read: {report.rows:,} rows, {report.arrow_mib} MiB "
         f"(Arrow), {report.master}, {report.options.cores} cores; data written in "
@@ -684,7 +743,7 @@ def format_report(report: Report) -> str:
                     for kind, cpu in (("appended", appended), ("overwritten", overwritten))
                 )
             )
-    return "\n".join(lines)
+    return "\n".join(lines + wide)
 
 
 BENCHMARK = Benchmark("spark-read", SparkReadOptions, run, format_report, __doc__)
