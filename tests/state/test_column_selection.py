@@ -8,6 +8,7 @@ rows and their ``_time``/``_diff`` are the full read's, projected.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,25 @@ def test_select_columns_keeps_the_order_asked_and_names_what_the_shard_lacks() -
         select_columns(SCHEMA, ["ID", "z"], "events", "read")
     with pytest.raises(InvalidUsage, match="named twice"):
         select_columns(SCHEMA, ["id", "id"], "events", "read")
+
+
+@pytest.mark.parametrize("fmt", PART_FORMATS)
+def test_a_cut_part_reads_its_rows_of_the_named_columns(client: Any, fmt: str) -> None:
+    """A default split cuts a part by stored rows while the query names some columns: each
+    piece reads exactly its rows of exactly those columns, and the pieces add up to the part."""
+    _, leased = committed_parts(client, fmt)
+    whole = leased[0]
+    n = whole.part.rows
+    full = pa.concat_tables(iter_parts(client.blob, [whole], schema=SCHEMA))
+    cuts = [(0, n // 3), (n // 3, n // 2 + 1), (n // 2 + 1, n)]
+    got = [
+        pa.concat_tables(
+            iter_parts(
+                client.blob, [replace(whole, row_range=r)], schema=SCHEMA, columns=["x", "id"]
+            )
+        )
+        for r in cuts
+    ]
+    for (start, stop), piece in zip(cuts, got, strict=True):
+        assert piece.column_names == ["x", "id", TIME, DIFF]
+        assert piece.equals(full.slice(start, stop - start).select(["x", "id", TIME, DIFF]))
