@@ -213,14 +213,17 @@ class PersistBatchReader(DataSourceReader):
         self._opts = opts
         self._schema = schema
         self._filters: list[Filter] = []
+        self._share = 1.0
+        """The share of each part's bytes the read takes (set by :meth:`partitions`)."""
 
     def partitions(self) -> Sequence[InputPartition]:
         """Lease the snapshot at ``asOf`` and split it (driver)."""
-        from pyspark_persist.schema import read_columns
+        from pyspark_persist.schema import read_columns, read_share
 
         client = client_for(self._opts)
         shard = client.open_shard(self._opts.shard, create=False)
-        read_columns(shard.schema, self._schema, self._opts.shard, self._opts.columns)
+        names = read_columns(shard.schema, self._schema, self._opts.shard, self._opts.columns)
+        self._share = read_share(shard.schema, names)
         # The driver does not heartbeat: Spark tells a batch reader nothing when its tasks
         # finish. The tasks heartbeat the lease while they run (BatchLease), and once they are
         # done it runs out after leaseSeconds (default reader_lease_s).
@@ -246,9 +249,12 @@ class PersistBatchReader(DataSourceReader):
         return [BatchPartition(client.blob.uri, s, lease) for s in plan.splits]
 
     def _split_limits(self) -> ReadLimits:
-        """Split by splitSizeBytes, over at least minPartitions tasks."""
+        """Split by splitSizeBytes of what the read takes of each part (all of its bytes, or
+        its share for a column subset: :func:`~pyspark_persist.schema.read_share`), over at
+        least minPartitions tasks."""
         return ReadLimits(
-            split_bytes=self._opts.split_size_bytes, min_splits=self._opts.min_partitions
+            split_bytes=max(1, round(self._opts.split_size_bytes / self._share)),
+            min_splits=self._opts.min_partitions,
         )
 
     def _change_partitions(

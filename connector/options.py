@@ -266,7 +266,8 @@ OPTIONS: tuple[OptionName, ...] = (
         doc=OptionDoc(
             f"{DEFAULT_SPLIT_SIZE >> 20} MiB",
             "target bytes per read task: the read's bytes over this, rounded to a power of "
-            "two, is the task count, and the tasks get about equal bytes (see "
+            "two, is the task count, and the tasks get about equal bytes; a read of some "
+            "columns counts its share of each part's bytes (see "
             "[Read splits](spark.md#read-splits)), e.g. `128m`",
         ),
     ),

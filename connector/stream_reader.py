@@ -183,12 +183,14 @@ class LeaseHolder:
         self._client = client_for(opts)
         self._shard = self._client.open_shard(opts.shard, create=False)
         self._schema = schema
+        from pyspark_persist.schema import read_columns, read_share
+
         shard_columns = self._shard.schema.names
         names = shard_columns
         if schema is not None:
-            from pyspark_persist.schema import read_columns
-
             names = read_columns(self._shard.schema, schema, opts.shard, opts.columns)
+        self._share = read_share(self._shard.schema, names)
+        """The share of each part's bytes the query's columns take (splits are sized by it)."""
         self._columns: frozenset[str] | None = (
             frozenset(names) if set(names) >= set(shard_columns) else None
         )
@@ -383,9 +385,12 @@ class LeaseHolder:
         return [PersistInputPartition(blob_uri, s) for s in splits]
 
     def _split_limits(self) -> ReadLimits:
-        """Split by splitSizeBytes, over at least minPartitions tasks."""
+        """Split by splitSizeBytes of what the query reads of each part (its share for a
+        column subset: :func:`~pyspark_persist.schema.read_share`), over at least
+        minPartitions tasks."""
         return ReadLimits(
-            split_bytes=self._opts.split_size_bytes, min_splits=self._opts.min_partitions
+            split_bytes=max(1, round(self._opts.split_size_bytes / self._share)),
+            min_splits=self._opts.min_partitions,
         )
 
     def _snapshot_splits(self, batch: MicroBatch) -> Splits:
