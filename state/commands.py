@@ -89,15 +89,18 @@ def create_shard(
     incarnation: str,
     retention_ms: int = 0,
     after_seqno: int = 0,
+    keys: tuple[str, ...] = (),
 ) -> StateDiff:
     """The diff that creates a shard: from nothing (SeqNo 0) to SeqNo 1, or on top of the
     tombstone a drop left at ``after_seqno``, so the new shard's SeqNos go on from there.
 
     ``incarnation`` is the id minted for this creation (see ``ShardState.incarnation``);
-    GC starts from ``after_seqno``, as nothing of this shard lies below it.
+    GC starts from ``after_seqno``, as nothing of this shard lies below it. ``keys``: the key
+    columns of a keyed shard (checked by the caller, :func:`~.keyed.validate_keys`).
     """
     b = DiffBuilder(dc_replace(EMPTY_STATE, seqno=after_seqno))
     b.set(shard_id=shard_id, schema=schema, created_ms=now_ms, incarnation=incarnation)
+    b.set(keys=keys or None)
     return b.set(retention_ms=retention_ms or None, last_gc_seqno=after_seqno or None).build()
 
 

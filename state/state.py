@@ -299,6 +299,7 @@ SCALARS: tuple[str, ...] = (
     "last_gc_seqno",
     "retention_ms",
     "incarnation",
+    "keys",
 )
 """The scalar fields of ShardState that a diff may set (seqno is the diff's own)."""
 
@@ -321,6 +322,11 @@ class ShardState:
     """The id minted when this shard was created: a shard dropped and created again under its
     name is another incarnation, and a handle bound to one never touches the other (``""``: a
     shard created before incarnations existed)."""
+    keys: tuple[str, ...] = ()
+    """The key columns of a keyed shard, set at creation and never changed: every write is an
+    upsert, and at every time the shard holds at most one row per key (see
+    :mod:`pyspark_persist.state.keyed`). ``()``: an unkeyed shard (every shard written before
+    keys existed is one)."""
     batches: Mapping[str, Batch] = field(default_factory=lambda: EMPTY_MAP)
     writers: Mapping[str, WriterState] = field(default_factory=lambda: EMPTY_MAP)
     leased_readers: Mapping[str, LeasedReaderState] = field(default_factory=lambda: EMPTY_MAP)

@@ -1,0 +1,227 @@
+"""Keyed shards: key columns checked, and what an upsert writes, as pure functions of tables.
+
+A keyed shard names key columns in its state (``ShardState.keys``, set at
+creation). Every write to it is an *upsert*: for each key the write names,
+the key's current row (if any) is retracted and the write's row inserted, at
+the commit's time, so at every time the shard holds at most one row per key
+(Materialize's ``ENVELOPE UPSERT``, Paimon's primary-key tables). A delete
+retracts the current row and inserts nothing.
+
+This module decides; :mod:`.upsert` finds the current rows and commits.
+Within one write the last row of a key wins, or, with a sequence column,
+the row with the highest sequence (ties: the later row in the write). Pure:
+no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import InvalidUpdates, InvalidUsage, KeysMismatch
+from .schema import DIFF, DIFF_TYPE, RESERVED, TIME_TYPE, data_schema
+
+SUPPORTED = "integers, strings, binary, booleans, dates and timestamps"
+"""The key column types, as errors name them: types whose values compare exactly (no floats,
+whose NaN equals nothing, and no nested types)."""
+
+_ROW = "__persist_row"
+"""A column added to a table for the length of one computation: each row's position."""
+
+
+def _key_type_ok(typ: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(typ)
+        or pa.types.is_string(typ)
+        or pa.types.is_large_string(typ)
+        or pa.types.is_binary(typ)
+        or pa.types.is_large_binary(typ)
+        or pa.types.is_boolean(typ)
+        or pa.types.is_date(typ)
+        or pa.types.is_timestamp(typ)
+    )
+
+
+def validate_keys(schema: pa.Schema, keys: Sequence[str], shard: str) -> tuple[str, ...]:
+    """The key columns of a shard of ``schema``, checked before the shard is created.
+
+    Each must be a column of the schema of a type whose values compare exactly
+    (:data:`SUPPORTED`), named once.
+    """
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise InvalidUsage(
+            f"keys of shard {shard!r} must be a list of column names, got {keys!r}: "
+            'pass e.g. keys=["id"]'
+        )
+    names = tuple(keys)
+    if not names:
+        raise InvalidUsage(
+            f"keys of shard {shard!r} is empty: name at least one key column, or pass "
+            "keys=None for an unkeyed shard"
+        )
+    if len(set(names)) != len(names):
+        raise InvalidUsage(f"keys of shard {shard!r} name a column twice: {list(names)}")
+    for name in names:
+        if name in RESERVED or name not in schema.names:
+            raise InvalidUsage(
+                f"key column {name!r} of shard {shard!r} is not a column of its schema "
+                f"({', '.join(schema.names)}): name one of those"
+            )
+        typ = schema.field(name).type
+        if not _key_type_ok(typ):
+            raise InvalidUsage(
+                f"key column {name!r} of shard {shard!r} has type {typ}, which cannot be a key: "
+                f"key columns must be {SUPPORTED}"
+            )
+    return names
+
+
+def check_keys_match(shard: str, stored: tuple[str, ...], given: Sequence[str] | None) -> None:
+    """KeysMismatch when a caller names other keys than the shard's (``None``: any)."""
+    if isinstance(given, str):
+        raise InvalidUsage(f'keys of shard {shard!r} must be a list: pass keys=["{given}"]')
+    if given is None or tuple(given) == stored:
+        return
+    have = f"keys {list(stored)}" if stored else "no keys (an unkeyed shard)"
+    raise KeysMismatch(
+        f"shard {shard!r} has {have}, but this call names keys {list(given)}: open it with "
+        "the shard's keys (or none), or write to another shard"
+    )
+
+
+def check_key_columns(
+    table: pa.Table, keys: tuple[str, ...], schema: pa.Schema, shard: str
+) -> None:
+    """Refuse a write whose key columns are missing, of another type than the shard's, or null.
+
+    Checked before anything is staged; the message names the column and the fix.
+    """
+    for name in keys:
+        want = schema.field(name).type
+        if name not in table.column_names:
+            raise InvalidUpdates(
+                f"the write to keyed shard {shard!r} lacks key column {name!r} ({want}): "
+                f"every upsert and delete carries all the keys {list(keys)}"
+            )
+        got = table.schema.field(name).type
+        if got != want:
+            raise InvalidUpdates(
+                f"key column {name!r} of the write to shard {shard!r} is {got}, the shard's is "
+                f"{want}: cast it to {want}"
+            )
+        nulls = table.column(name).null_count
+        if nulls:
+            raise InvalidUpdates(
+                f"{nulls} rows of the write to keyed shard {shard!r} have a null key {name!r}: "
+                "a key identifies one row, so drop or fill those rows"
+            )
+
+
+def check_sequence_column(table: pa.Table, column: str, shard: str) -> None:
+    """Refuse a sequence column that is missing, not an integer, or null."""
+    if column not in table.column_names:
+        raise InvalidUpdates(
+            f"the write to shard {shard!r} lacks its sequence column {column!r}: every row "
+            "needs one (the highest sequence of a key wins)"
+        )
+    typ = table.schema.field(column).type
+    if not (pa.types.is_integer(typ) or pa.types.is_timestamp(typ)):
+        raise InvalidUpdates(
+            f"sequence column {column!r} of the write to shard {shard!r} is {typ}: it must be "
+            "an integer or a timestamp"
+        )
+    nulls = table.column(column).null_count
+    if nulls:
+        raise InvalidUpdates(
+            f"{nulls} rows of the write to shard {shard!r} have a null sequence {column!r}: "
+            "give every row its sequence"
+        )
+
+
+def winners(table: pa.Table, keys: tuple[str, ...], sequence: str | None = None) -> pa.Table:
+    """One row per key: the last one of the write, or the one of highest ``sequence``
+    (ties: the later row). Rows keep the order of the input."""
+    n = table.num_rows
+    if n <= 1:
+        return table
+    rows = table.append_column(_ROW, pa.array(np.arange(n, dtype=np.int64)))
+    if sequence is None:
+        picked = rows.group_by(list(keys), use_threads=False).aggregate([(_ROW, "max")])
+        index = picked.column(f"{_ROW}_max")
+    else:
+        order = rows.sort_by([(sequence, "descending"), (_ROW, "descending")])
+        first = order.group_by(list(keys), use_threads=False).aggregate([(_ROW, "first")])
+        index = first.column(f"{_ROW}_first")
+    if len(index) == n:
+        return table
+    return table.take(pc.sort_indices(index))
+
+
+def key_table(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
+    """The distinct keys of ``table`` (its key columns only)."""
+    return table.select(list(keys)).group_by(list(keys), use_threads=False).aggregate([])
+
+
+def rows_with_keys(table: pa.Table, keys: tuple[str, ...], wanted: pa.Table) -> pa.Table:
+    """The rows of ``table`` whose key is one of ``wanted``'s (a key table)."""
+    if table.num_rows == 0 or wanted.num_rows == 0:
+        return table.slice(0, 0)
+    if len(keys) == 1:
+        (k,) = keys
+        return table.filter(pc.is_in(table.column(k), value_set=wanted.column(k)))
+    mask = mask_with_keys(table.select(list(keys)), keys, wanted)
+    return table.filter(mask)
+
+
+def mask_with_keys(key_columns: pa.Table, keys: tuple[str, ...], wanted: pa.Table) -> pa.Array:
+    """A boolean per row of ``key_columns``: is its key one of ``wanted``'s."""
+    if len(keys) == 1:
+        (k,) = keys
+        return pc.is_in(key_columns.column(k), value_set=wanted.column(k))
+    n = key_columns.num_rows
+    marked = key_columns.append_column(_ROW, pa.array(np.arange(n, dtype=np.int64)))
+    hits = marked.join(wanted, list(keys), join_type="left semi", use_threads=False)
+    mask = np.zeros(n, dtype=bool)
+    mask[hits.column(_ROW).to_numpy()] = True
+    return pa.array(mask)
+
+
+def live_rows(updates: pa.Table, row_columns: list[str]) -> pa.Table:
+    """The rows ``updates`` add up to (time ignored), each with its multiplicity in ``_diff``.
+
+    For a shard's updates before its upper this is the collection at
+    ``upper - 1``: what an upsert committed at the upper retracts.
+    """
+    if updates.num_rows == 0:
+        return updates.select([*row_columns, DIFF])
+    grouped = updates.group_by(row_columns, use_threads=False).aggregate([(DIFF, "sum")])
+    out = grouped.rename_columns([*row_columns, DIFF]).select([*row_columns, DIFF])
+    return out.filter(pc.greater(out.column(DIFF), pa.scalar(0, DIFF_TYPE)))
+
+
+def upsert_updates(schema: pa.Schema, current: pa.Table, inserts: pa.Table, time: int) -> pa.Table:
+    """The updates of one upsert at ``time``: ``current`` (live rows with their multiplicity,
+    as :func:`live_rows` gives them) retracted, ``inserts`` (rows in ``schema``) inserted."""
+    names = schema.names
+    parts = []
+    if current.num_rows:
+        diff = pc.negate(current.column(DIFF))
+        parts.append(_with_time_diff(current.select(names), schema, time, diff))
+    if inserts.num_rows:
+        ones = pa.array(np.ones(inserts.num_rows, dtype=np.int64))
+        parts.append(_with_time_diff(inserts.select(names), schema, time, ones))
+    if not parts:
+        return data_schema(schema).empty_table()
+    return pa.concat_tables(parts)
+
+
+def _with_time_diff(
+    rows: pa.Table, schema: pa.Schema, time: int, diff: pa.Array | pa.ChunkedArray
+) -> pa.Table:
+    n = rows.num_rows
+    times = pa.array(np.full(n, time, dtype=np.uint64), type=TIME_TYPE)
+    arrays = [*(rows.column(f.name).cast(f.type) for f in schema), times, diff]
+    return pa.Table.from_arrays(arrays, schema=data_schema(schema))
