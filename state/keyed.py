@@ -157,7 +157,7 @@ def winners(table: pa.Table, keys: tuple[str, ...], sequence: str | None = None)
         index = first.column(f"{_ROW}_first")
     if len(index) == n:
         return table
-    return table.take(pc.sort_indices(index))
+    return table.take(pa.array(np.sort(index.to_numpy())))
 
 
 def key_table(table: pa.Table, keys: tuple[str, ...]) -> pa.Table:
@@ -225,3 +225,114 @@ def _with_time_diff(
     times = pa.array(np.full(n, time, dtype=np.uint64), type=TIME_TYPE)
     arrays = [*(rows.column(f.name).cast(f.type) for f in schema), times, diff]
     return pa.Table.from_arrays(arrays, schema=data_schema(schema))
+
+
+DELETE = "__persist_delete"
+"""The column of a prepared write that says a row deletes its key (it is never stored)."""
+
+
+def prepare_write(
+    rows: pa.Table,
+    schema: pa.Schema,
+    keys: tuple[str, ...],
+    shard: str,
+    *,
+    deletes: pa.Array | pa.ChunkedArray | bool,
+    sequence: str | None,
+) -> pa.Table:
+    """A write's rows in the shard's columns plus :data:`DELETE`, one row per key, checked.
+
+    ``deletes``: True when every row deletes its key (then only the key
+    columns, and the sequence column, need be given), or a boolean per row.
+    Raises before anything is staged when a key or the sequence column is
+    missing, of another type, or null.
+    """
+    check_key_columns(rows, keys, schema, shard)
+    if sequence is not None:
+        if sequence not in schema.names:
+            raise InvalidUpdates(
+                f"sequence column {sequence!r} is not a column of shard {shard!r} "
+                f"({', '.join(schema.names)}): name a stored integer or timestamp column"
+            )
+        check_sequence_column(rows, sequence, shard)
+    n = rows.num_rows
+    flags = pa.array(np.full(n, deletes)) if isinstance(deletes, bool) else deletes
+    if deletes is True:
+        given = set(rows.column_names)
+        arrays = [
+            rows.column(f.name).cast(f.type) if f.name in given else pa.nulls(n, f.type)
+            for f in schema
+        ]
+        rows = pa.Table.from_arrays(arrays, schema=schema)
+    table = rows.append_column(pa.field(DELETE, pa.bool_()), flags)
+    return winners(table, keys, sequence)
+
+
+def plan_upsert(
+    writes: pa.Table,
+    current: pa.Table,
+    schema: pa.Schema,
+    keys: tuple[str, ...],
+    time: int,
+    sequence: str | None = None,
+    known_sequences: pa.Table | None = None,
+) -> tuple[pa.Table, pa.Table]:
+    """The updates of an upsert at ``time``, and the writes that took effect.
+
+    ``writes``: :func:`prepare_write`'s rows; ``current``: the shard's
+    updates of those keys before the upper (any times; summed here). With a
+    ``sequence`` column a write older than its key's current row (or than
+    ``known_sequences``, the keys' sequences remembered for deleted keys) is
+    dropped: ties go to the write. Writing a key's current row again changes
+    nothing (a retraction and insertion of one row at one time cancel out).
+    """
+    names = schema.names
+    live = live_rows(current, names)
+    if sequence is not None:
+        writes = _not_older(writes, live, keys, sequence, known_sequences)
+    touched = key_table(writes, keys)
+    retract = rows_with_keys(live, keys, touched)
+    inserts = writes.filter(pc.invert(writes.column(DELETE))).drop_columns([DELETE])
+    updates = upsert_updates(schema, retract, inserts, time)
+    if updates.num_rows:
+        grouped = updates.group_by(names, use_threads=False).aggregate([(DIFF, "sum")])
+        updates = pa.Table.from_arrays(
+            [
+                *(grouped.column(n) for n in names),
+                _times(grouped.num_rows, time),
+                grouped.column(f"{DIFF}_sum"),
+            ],
+            schema=data_schema(schema),
+        )
+        updates = updates.filter(pc.not_equal(updates.column(DIFF), pa.scalar(0, DIFF_TYPE)))
+    return updates, writes
+
+
+def _times(n: int, time: int) -> pa.Array:
+    return pa.array(np.full(n, time, dtype=np.uint64), type=TIME_TYPE)
+
+
+def _not_older(
+    writes: pa.Table,
+    live: pa.Table,
+    keys: tuple[str, ...],
+    sequence: str,
+    known: pa.Table | None,
+) -> pa.Table:
+    """The writes whose sequence is at least their key's current one (live row or remembered)."""
+    cols = [*keys, sequence]
+    seen = [live.select(cols)]
+    if known is not None and known.num_rows:
+        seen.append(known.select(cols).cast(live.select(cols).schema))
+    have = pa.concat_tables(seen)
+    if have.num_rows == 0:
+        return writes
+    top = have.group_by(list(keys), use_threads=False).aggregate([(sequence, "max")])
+    top = top.rename_columns([*keys, "__persist_seen"])
+    n = writes.num_rows
+    marked = writes.append_column(_ROW, pa.array(np.arange(n, dtype=np.int64)))
+    joined = marked.join(top, list(keys), join_type="left outer", use_threads=False)
+    seen_col = joined.column("__persist_seen")
+    ok = pc.or_kleene(pc.is_null(seen_col), pc.greater_equal(joined.column(sequence), seen_col))
+    keep = np.sort(joined.filter(ok).column(_ROW).to_numpy())
+    return writes.take(pa.array(keep))

@@ -48,6 +48,7 @@ from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
 from .stats import time_bounds
 from .tracing import traced
+from .upsert import UpsertCommit, delete_keys, refuse_keyed, upsert_rows
 from .versions import read_history
 
 log = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ class WriteHandle:
         rows read null there), and shard columns the updates lack are null.
         """
         _check_uppers(expected_upper, new_upper)
+        refuse_keyed(self._machine.state(), "compare_and_append() of chosen updates")
         schema = self._write_schema(updates, merge_schema)
         table, has_time = conform_updates(updates, schema, self.shard_id, fill_missing=merge_schema)
         if has_time and table.num_rows:
@@ -289,6 +291,62 @@ class WriteHandle:
             RunInfo(),
             staged_here=False,
         )
+
+    @traced("WriteHandle.upsert")
+    def upsert(
+        self,
+        rows: pa.Table | pa.RecordBatch,
+        *,
+        token: int | None = None,
+        sequence_column: str | None = None,
+        delete_column: str | None = None,
+    ) -> Committed | AlreadyCommitted:
+        """Upsert ``rows`` into a keyed shard: each key's current row (if any) is retracted and
+        its new row inserted, at one commit time; at most one row per key at every time.
+
+        Within ``rows`` the last row of a key wins, or with ``sequence_column``
+        the highest sequence (ties: the later row), within and across writes:
+        a row older than its key's current one (or than its delete) is ignored.
+        ``delete_column`` names a boolean column whose true rows delete their
+        key (it is not stored). Races with other writers are retried against
+        the new state; ``token`` makes a resend apply nothing (see the class doc).
+        Bad keys (missing, another type, null) raise before anything is staged.
+        """
+        return upsert_rows(
+            self._machine,
+            rows,
+            self._upsert_commit(token),
+            sequence=sequence_column,
+            delete_column=delete_column,
+        )
+
+    @traced("WriteHandle.delete")
+    def delete(
+        self,
+        keys: pa.Table | pa.RecordBatch,
+        *,
+        token: int | None = None,
+        sequence_column: str | None = None,
+    ) -> Committed | AlreadyCommitted:
+        """Delete the rows of the keys in ``keys`` (a table of the key columns) from a keyed shard,
+        at one commit time. With ``sequence_column`` (a column of ``keys`` too) a delete older
+        than its key's current row is ignored, and a later upsert older than the delete does
+        not bring the key back (see :meth:`upsert`)."""
+        return delete_keys(self._machine, keys, self._upsert_commit(token), sequence_column)
+
+    def _upsert_commit(self, token: int | None) -> UpsertCommit:
+        """How an upsert commits each attempt: its updates staged, then compare_and_append
+        with one token for every attempt."""
+        writer, tok = self._identity(token)
+
+        def commit(
+            updates: pa.Table, schema: pa.Schema, upper: Time, new_upper: Time
+        ) -> AppendResult:
+            staged = [self._stage(updates, True, schema)]
+            args = (writer, tok, None, True, False, None, RunInfo())
+            return self._append_batches(staged, upper, new_upper, *args, staged_here=True)
+
+        return commit
 
     def _identity(self, token: int | None) -> tuple[str, int]:
         """Who commits with which token: the caller's under ``writer_id``, else an automatic one.
@@ -402,8 +460,12 @@ class WriteHandle:
         the same staged parts and the same token (the commit assigns their
         time). Pass ``token`` to make a resend of this write idempotent (see
         the class doc); without it the write always lands once per call.
-        ``merge_schema``: as for :meth:`compare_and_append`.
+        ``merge_schema``: as for :meth:`compare_and_append`. On a keyed shard
+        this is :meth:`upsert`.
         """
+        if self._machine.state().keys and not merge_schema:
+            return self.upsert(updates, token=token)
+        refuse_keyed(self._machine.state(), "append(merge_schema=True)")
         schema = self._write_schema(updates, merge_schema)
         table, has_time = conform_updates(updates, schema, self.shard_id, fill_missing=merge_schema)
         if has_time:

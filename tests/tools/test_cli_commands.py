@@ -296,7 +296,7 @@ def test_inspect_and_show_name_a_keyed_shards_keys(
 ) -> None:
     client = PersistClient.open(config=PersistConfig(maintenance=False))
     shard = client.open_shard("customers", pa.schema([("id", pa.int64())]), keys=["id"])
-    shard.writer().compare_and_append(pa.table({"id": [1]}), 0, 1)
+    shard.writer().upsert(pa.table({"id": [1]}))
     client.close()
     _, text, _ = run(capsys, "shards", "inspect", "customers")
     assert "keys       id (every write upserts by them)" in text

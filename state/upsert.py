@@ -1,0 +1,368 @@
+"""Upserts and deletes on a keyed shard: find the current rows of a write's keys, then commit.
+
+An upsert is one ``compare_and_append`` at the shard's upper whose batch
+retracts the current rows of the write's keys and inserts the new rows, at
+one time ``t >= upper`` (:mod:`.keyed` decides what it writes). The current
+rows are the rows the shard's updates add up to before the upper, so
+nothing but the upper needs checking at the commit: if it moved, another
+write landed in between and :class:`~.commands.UpperMismatch` sends the
+upsert back to look again, at the batches added since only, and retry with
+the same token (a retry of a landed attempt is answered
+``AlreadyCommitted``). Concurrent upserts are therefore linearizable by the
+compare-and-set alone, as every other write.
+
+Finding the current rows reads neither the whole shard nor, mostly, whole
+parts (see the docs' architecture page for the measurements):
+
+1. A part whose key range (the column ranges ``PartStats`` keeps in its
+   reference) holds none of the write's keys is skipped with no I/O.
+2. Of a part that may hold some, only its key columns are compared with the
+   write's keys. A part is immutable, so its key columns are cached in the
+   process by part key (:class:`KeyColumnCache`, bounded by bytes): a writer
+   that keeps upserting (a streaming sink's driver) reads each part's keys once.
+3. Only the rows that matched are decoded whole: the Parquet row groups
+   that hold them, or a ``take`` of an Arrow part's mapped batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .blob import Blob
+from .codec import PARQUET, iter_part_batches
+from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
+from .errors import InvalidUpdates, InvalidUsage
+from .fetch import fetch_part_bytes
+from .keyed import check_key_columns, key_table, mask_with_keys, plan_upsert, prepare_write
+from .machine import Machine
+from .schema import DIFF, conform_inserts, data_schema, decode_schema
+from .state import Batch, PartRef, ShardState, Time
+
+KEY_CACHE_BYTES = 256 << 20
+"""The bytes of part key columns one process keeps (:class:`KeyColumnCache`)."""
+
+
+class KeyColumnCache:
+    """The key columns of immutable parts, by Blob key, least recently used out first.
+
+    Never stale: a part key is written once and never changed. Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int = KEY_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[str, str, tuple[str, ...]], pa.Table] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple[str, str, tuple[str, ...]]) -> pa.Table | None:
+        with self._lock:
+            table = self._items.get(key)
+            if table is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return table
+
+    def put(self, key: tuple[str, str, tuple[str, ...]], table: pa.Table) -> None:
+        size = table.nbytes
+        if size > self.max_bytes // 4:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = table
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= old.nbytes
+
+
+KEY_CACHE = KeyColumnCache()
+"""The process's cache of part key columns (shared by every shard and client)."""
+
+
+@dataclass
+class Lookup:
+    """What one lookup read: the matching updates, and how much it touched (for tests/benches)."""
+
+    updates: pa.Table
+    parts: int = 0
+    parts_skipped: int = 0
+    parts_read: int = 0
+    rows_decoded: int = 0
+
+
+def _may_hold(part: PartRef, keys: tuple[str, ...], wanted: pa.Table) -> bool:
+    """False when the part's recorded key ranges hold none of ``wanted``'s keys."""
+    stats = part.stats
+    if not stats:
+        return True
+    mask: pa.Array | None = None
+    for k in keys:
+        span = stats.get(k)
+        col = wanted.column(k)
+        if span is None:
+            return True
+        typ = col.type
+        if not (pa.types.is_integer(typ) or pa.types.is_string(typ)):
+            return True
+        lo, hi = pa.scalar(span[0], typ), pa.scalar(span[1], typ)
+        inside = pc.and_(pc.greater_equal(col, lo), pc.less_equal(col, hi))
+        mask = inside if mask is None else pc.and_(mask, inside)
+    return mask is None or bool(pc.any(mask).as_py())
+
+
+def _key_columns(
+    blob: Blob, part: PartRef, shard_id: str, keys: tuple[str, ...], cache: KeyColumnCache
+) -> pa.Table:
+    """The key columns of every stored update of ``part`` (cached for Blob parts)."""
+    ckey = (blob.uri, part.key, keys) if part.key is not None else None
+    if ckey is not None:
+        hit = cache.get(ckey)
+        if hit is not None:
+            return hit
+    data = fetch_part_bytes(blob, part, shard_id)
+    if part.inline is None and part.fmt == PARQUET:
+        table = pq.read_table(pa.BufferReader(pa.py_buffer(data)), columns=list(keys))
+    else:
+        batches = [b.select(list(keys)) for b in iter_part_batches(data, part, shard_id)]
+        table = pa.Table.from_batches(batches) if batches else None
+        if table is None:
+            return pa.table({k: pa.array([]) for k in keys})
+    table = table.combine_chunks()
+    if ckey is not None:
+        cache.put(ckey, table)
+    return table
+
+
+def _rows_at(blob: Blob, part: PartRef, shard_id: str, rows: np.ndarray) -> pa.Table:
+    """The stored updates of ``part`` at the sorted row positions ``rows``.
+
+    Of a Parquet part only the row groups that hold them are decoded.
+    """
+    data = fetch_part_bytes(blob, part, shard_id)
+    if part.inline is None and part.fmt == PARQUET:
+        pf = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data)))
+        starts = np.cumsum(
+            [0] + [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+        )
+        groups = sorted(set(np.searchsorted(starts, rows, side="right") - 1))
+        table = pf.read_row_groups(groups)
+        offsets = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in groups])
+        local = np.searchsorted(offsets, rows)
+        return table.take(pa.array(local))
+    table = pa.Table.from_batches(list(iter_part_batches(data, part, shard_id)))
+    return table.take(pa.array(rows))
+
+
+def lookup(
+    blob: Blob,
+    shard_id: str,
+    schema: pa.Schema,
+    batches: Iterable[Batch],
+    keys: tuple[str, ...],
+    wanted: pa.Table,
+    cache: KeyColumnCache = KEY_CACHE,
+) -> Lookup:
+    """The updates of ``batches`` whose key is one of ``wanted``'s, shaped as a reader sees them
+    (a negated part's diffs flipped; times left as stored: the caller sums over them)."""
+    out = Lookup(updates=data_schema(schema).empty_table())
+    if wanted.num_rows == 0:
+        return out
+    found: list[pa.Table] = []
+    target = data_schema(schema)
+    for batch in batches:
+        for part in batch.parts:
+            out.parts += 1
+            if not _may_hold(part, keys, wanted):
+                out.parts_skipped += 1
+                continue
+            out.parts_read += 1
+            mask = mask_with_keys(_key_columns(blob, part, shard_id, keys, cache), keys, wanted)
+            rows = np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+            if len(rows) == 0:
+                continue
+            hit = _rows_at(blob, part, shard_id, rows)
+            out.rows_decoded += hit.num_rows
+            if part.negate:
+                idx = hit.schema.get_field_index(DIFF)
+                hit = hit.set_column(idx, hit.schema.field(idx), pc.negate(hit.column(DIFF)))
+            found.append(_conformed(hit, target))
+    if found:
+        out.updates = pa.concat_tables(found)
+    return out
+
+
+def _conformed(table: pa.Table, target: pa.Schema) -> pa.Table:
+    """``table`` with exactly ``target``'s columns (a part older than a column reads null)."""
+    n = table.num_rows
+    have = set(table.column_names)
+    arrays = [
+        table.column(f.name).cast(f.type) if f.name in have else pa.nulls(n, f.type) for f in target
+    ]
+    return pa.Table.from_arrays(arrays, schema=target)
+
+
+@dataclass
+class KnownRows:
+    """The updates of a set of keys up to ``upper`` (the state they were read from)."""
+
+    upper: Time
+    updates: pa.Table
+
+
+def catch_up(
+    known: KnownRows | None,
+    state: ShardState,
+    read: Callable[[Sequence[Batch]], pa.Table],
+) -> KnownRows:
+    """The updates of the write's keys up to ``state.upper``: ``known``'s plus those of the
+    batches added since, or all of them read again when compaction merged a batch across
+    ``known.upper`` (a merged batch's updates can no longer be told apart)."""
+    trace = state.trace
+    if known is not None and all(b.lower >= known.upper or b.upper <= known.upper for b in trace):
+        newer = [b for b in trace if b.lower >= known.upper]
+        more = read(newer)
+        table = pa.concat_tables([known.updates, more]) if more.num_rows else known.updates
+        return KnownRows(state.upper, table)
+    return KnownRows(state.upper, read(trace))
+
+
+UpsertCommit = Callable[[pa.Table, pa.Schema, Time, Time], AppendResult]
+"""Stage updates (in the schema given) and compare_and_append them as
+``[expected_upper, new_upper)``, with the same token on every attempt."""
+
+
+def upsert_rows(
+    machine: Machine,
+    rows: pa.Table | pa.RecordBatch,
+    commit: UpsertCommit,
+    *,
+    sequence: str | None = None,
+    delete_column: str | None = None,
+) -> Committed | AlreadyCommitted:
+    """What :meth:`~.write.WriteHandle.upsert` does: check ``rows``, then :func:`run_upsert`."""
+    table = _as_table(rows)
+    deletes: pa.ChunkedArray | bool = False
+    if delete_column is not None:
+        deletes = _delete_flags(table, delete_column, machine.shard_id)
+        table = table.drop_columns([delete_column])
+    schema = decode_schema(machine.state().schema)
+    keys = _keys(machine, "upsert")
+    check_key_columns(table, keys, schema, machine.shard_id)  # names the key, before the rest
+    table = conform_inserts(table, schema, machine.shard_id)
+    writes = prepare_write(
+        table, schema, keys, machine.shard_id, deletes=deletes, sequence=sequence
+    )
+    return run_upsert(machine, schema, keys, writes, sequence, commit)
+
+
+def delete_keys(
+    machine: Machine,
+    keys: pa.Table | pa.RecordBatch,
+    commit: UpsertCommit,
+    sequence: str | None = None,
+) -> Committed | AlreadyCommitted:
+    """What :meth:`~.write.WriteHandle.delete` does: check ``keys``, then :func:`run_upsert`."""
+    table = _as_table(keys)
+    schema = decode_schema(machine.state().schema)
+    key_columns = _keys(machine, "delete")
+    writes = prepare_write(
+        table, schema, key_columns, machine.shard_id, deletes=True, sequence=sequence
+    )
+    return run_upsert(machine, schema, key_columns, writes, sequence, commit)
+
+
+def _keys(machine: Machine, what: str) -> tuple[str, ...]:
+    keys = machine.state().keys
+    if not keys:
+        raise InvalidUsage(
+            f"{what} needs a keyed shard, and shard {machine.shard_id!r} has no keys: create "
+            'it with open_shard(name, schema, keys=["id"]), or use append()'
+        )
+    return keys
+
+
+def refuse_keyed(state: ShardState, what: str) -> None:
+    """InvalidUsage when a write that does not upsert (``what``) goes to a keyed shard."""
+    if state.keys:
+        raise InvalidUsage(
+            f"{what} could leave two rows of a key in keyed shard {state.shard_id!r}: write it "
+            "with upsert() and delete(), which retract each key's current row"
+        )
+
+
+def _as_table(rows: pa.Table | pa.RecordBatch) -> pa.Table:
+    if isinstance(rows, pa.RecordBatch):
+        return pa.Table.from_batches([rows])
+    if not isinstance(rows, pa.Table):
+        raise InvalidUpdates(
+            f"rows must be a pyarrow.Table or RecordBatch, got {type(rows).__name__}"
+        )
+    return rows
+
+
+def _delete_flags(table: pa.Table, column: str, shard: str) -> pa.ChunkedArray:
+    """The boolean delete column of an upsert, checked: present, boolean, never null."""
+    if column not in table.column_names:
+        raise InvalidUpdates(
+            f"the upsert to shard {shard!r} lacks its delete column {column!r}: add a boolean "
+            "column (true: delete the key)"
+        )
+    flags = table.column(column)
+    if not pa.types.is_boolean(flags.type):
+        raise InvalidUpdates(
+            f"delete column {column!r} of the upsert to shard {shard!r} is {flags.type}: it "
+            "must be boolean (true: delete the key)"
+        )
+    if flags.null_count:
+        raise InvalidUpdates(
+            f"{flags.null_count} rows of the upsert to shard {shard!r} have a null in delete "
+            f"column {column!r}: say true or false"
+        )
+    return flags
+
+
+def run_upsert(
+    machine: Machine,
+    schema: pa.Schema,
+    keys: tuple[str, ...],
+    writes: pa.Table,
+    sequence: str | None,
+    commit: UpsertCommit,
+) -> Committed | AlreadyCommitted:
+    """Commit ``writes`` (:func:`~.keyed.prepare_write`'s) as one upsert, retrying lost races.
+
+    Each attempt plans against the state it read: the updates of the write's
+    keys up to its upper, caught up with the batches added since on a retry
+    (:func:`catch_up`). ``commit`` carries the same token every time, so an
+    attempt that landed answers every later one ``AlreadyCommitted``.
+    """
+    wanted = key_table(writes, keys)
+
+    def read(batches: Sequence[Batch]) -> pa.Table:
+        return lookup(machine.blob, machine.shard_id, schema, batches, keys, wanted).updates
+
+    state = machine.state()
+    known: KnownRows | None = None
+    while True:
+        known = catch_up(known, state, read)
+        t = max(state.upper, machine.clock_ms())
+        updates, _ = plan_upsert(writes, known.updates, schema, keys, t, sequence)
+        result = commit(updates, schema, state.upper, t + 1)
+        if not isinstance(result, UpperMismatch):
+            return result
+        state = machine.state()
+        if state.upper != result.current:
+            state = machine.fetch_latest()
