@@ -115,6 +115,7 @@ def compare_and_append(
     now_ms: int,
     replace: bool = False,
     schema: bytes | None = None,
+    tombstones: tuple[PartRef, ...] = (),
 ) -> Outcome[AppendResult]:
     """Append one batch ``[expected_upper, new_upper)`` made of ``parts``, exactly once.
 
@@ -131,6 +132,7 @@ def compare_and_append(
     the data, so no state ever holds the new schema without the write or the
     write without it. It is merged with the schema in *this* state, so a
     concurrent writer's additions stay; SchemaMismatch when the two conflict.
+    ``tombstones``: an upsert's deleted keys and sequences (``Batch.tombstones``).
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
@@ -156,13 +158,14 @@ def compare_and_append(
         if evolved != state.schema:
             b.set(schema=evolved)
     last = state.trace[-1] if state.trace else None
-    if not parts and last is not None and not last.parts and last.since == state.since:
+    extend = last is not None and not last.parts and not last.tombstones
+    if not parts and not tombstones and extend and last is not None and last.since == state.since:
         # Empty appends only advance the upper: extend the previous empty batch so
         # an idle stream does not grow the trace by one batch per micro-batch.
         b.delete_batch(last.key)
         batch = Batch(lower=last.lower, upper=new_upper, since=last.since, parts=())
     else:
-        batch = Batch(expected_upper, new_upper, state.since, parts, retractions)
+        batch = Batch(expected_upper, new_upper, state.since, parts, retractions, tombstones)
     b.put_batch(batch)
     b.set(upper=new_upper)
     b.put_writer(writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms))

@@ -120,8 +120,13 @@ def check_key_columns(
             )
 
 
-def check_sequence_column(table: pa.Table, column: str, shard: str) -> None:
-    """Refuse a sequence column that is missing, not an integer, or null."""
+def check_sequence_column(table: pa.Table, schema: pa.Schema, column: str, shard: str) -> None:
+    """Refuse a sequence column that is not the shard's, missing, not an integer, or null."""
+    if column not in schema.names:
+        raise InvalidUpdates(
+            f"sequence column {column!r} is not a column of shard {shard!r} "
+            f"({', '.join(schema.names)}): name a stored integer or timestamp column"
+        )
     if column not in table.column_names:
         raise InvalidUpdates(
             f"the write to shard {shard!r} lacks its sequence column {column!r}: every row "
@@ -249,12 +254,7 @@ def prepare_write(
     """
     check_key_columns(rows, keys, schema, shard)
     if sequence is not None:
-        if sequence not in schema.names:
-            raise InvalidUpdates(
-                f"sequence column {sequence!r} is not a column of shard {shard!r} "
-                f"({', '.join(schema.names)}): name a stored integer or timestamp column"
-            )
-        check_sequence_column(rows, sequence, shard)
+        check_sequence_column(rows, schema, sequence, shard)
     n = rows.num_rows
     flags = pa.array(np.full(n, deletes)) if isinstance(deletes, bool) else deletes
     if deletes is True:

@@ -162,6 +162,15 @@ class Batch:
     since: Time
     parts: tuple[PartRef, ...]
     retractions: int = 0
+    tombstones: tuple[PartRef, ...] = ()
+    """Of a keyed shard with a sequence column: parts of ``(key columns, sequence)`` of the keys
+    deleted in this batch, which no reader reads (see :mod:`pyspark_persist.state.upsert`): an
+    upsert older than a key's delete must not bring it back. Compaction carries them along."""
+
+    @property
+    def all_parts(self) -> tuple[PartRef, ...]:
+        """Every part the batch references in Blob or inline: its data and its tombstones."""
+        return self.parts + self.tombstones if self.tombstones else self.parts
 
     @property
     def key(self) -> str:
@@ -181,7 +190,7 @@ class Batch:
     @cached_property
     def inline_bytes(self) -> int:
         """Bytes of the batch held inline in state rather than in Blob."""
-        return sum(p.size_bytes for p in self.parts if p.inline is not None)
+        return sum(p.size_bytes for p in self.all_parts if p.inline is not None)
 
     def to_json(self) -> dict[str, Any]:
         """Encode for state diffs and rollups."""
@@ -191,6 +200,7 @@ class Batch:
             "since": self.since,
             "parts": [p.to_json() for p in self.parts],
             **({"retract": self.retractions} if self.retractions else {}),
+            **({"tomb": [p.to_json() for p in self.tombstones]} if self.tombstones else {}),
         }
 
     @classmethod
@@ -203,6 +213,7 @@ class Batch:
                 since=int(d["since"]),
                 parts=tuple(PartRef.from_json(p) for p in d["parts"]),
                 retractions=int(d.get("retract", 0)),
+                tombstones=tuple(PartRef.from_json(p) for p in d.get("tomb", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"malformed batch {dict(d)!r}: {e}") from e

@@ -37,14 +37,25 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .blob import Blob
-from .codec import PARQUET, iter_part_batches
+from .codec import ARROW, PARQUET, encode_inline, iter_part_batches, part_checksum
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .errors import InvalidUpdates, InvalidUsage
 from .fetch import fetch_part_bytes
-from .keyed import check_key_columns, key_table, mask_with_keys, plan_upsert, prepare_write
+from .keyed import (
+    DELETE,
+    check_key_columns,
+    check_sequence_column,
+    key_table,
+    mask_with_keys,
+    plan_upsert,
+    prepare_write,
+    rows_with_keys,
+)
 from .machine import Machine
+from .part_formats import new_part_key
 from .schema import DIFF, conform_inserts, data_schema, decode_schema
 from .state import Batch, PartRef, ShardState, Time
+from .stats import PartStats
 
 KEY_CACHE_BYTES = 256 << 20
 """The bytes of part key columns one process keeps (:class:`KeyColumnCache`)."""
@@ -97,6 +108,8 @@ class Lookup:
     """What one lookup read: the matching updates, and how much it touched (for tests/benches)."""
 
     updates: pa.Table
+    tombstones: pa.Table | None = None
+    """With a sequence column: the (key columns, sequence) of the keys' remembered deletes."""
     parts: int = 0
     parts_skipped: int = 0
     parts_read: int = 0
@@ -174,15 +187,25 @@ def lookup(
     keys: tuple[str, ...],
     wanted: pa.Table,
     cache: KeyColumnCache = KEY_CACHE,
+    sequence: str | None = None,
 ) -> Lookup:
     """The updates of ``batches`` whose key is one of ``wanted``'s, shaped as a reader sees them
-    (a negated part's diffs flipped; times left as stored: the caller sums over them)."""
+    (a negated part's diffs flipped; times left as stored: the caller sums over them), and
+    with a ``sequence`` column the tombstones of those keys."""
     out = Lookup(updates=data_schema(schema).empty_table())
+    if sequence is not None:
+        out.tombstones = tombstone_schema(schema, keys, sequence).empty_table()
     if wanted.num_rows == 0:
         return out
     found: list[pa.Table] = []
+    tombs: list[pa.Table] = []
     target = data_schema(schema)
     for batch in batches:
+        for part in batch.tombstones if sequence is not None else ():
+            if _may_hold(part, keys, wanted):
+                data = fetch_part_bytes(blob, part, shard_id)
+                stored = pa.Table.from_batches(list(iter_part_batches(data, part, shard_id)))
+                tombs.append(rows_with_keys(stored, keys, wanted))
         for part in batch.parts:
             out.parts += 1
             if not _may_hold(part, keys, wanted):
@@ -201,7 +224,32 @@ def lookup(
             found.append(_conformed(hit, target))
     if found:
         out.updates = pa.concat_tables(found)
+    if tombs:
+        out.tombstones = pa.concat_tables(tombs)
     return out
+
+
+def tombstone_schema(schema: pa.Schema, keys: tuple[str, ...], sequence: str) -> pa.Schema:
+    """The columns of a tombstone part: the key columns and the sequence column."""
+    return pa.schema([schema.field(k) for k in (*keys, sequence)])
+
+
+def stage_tombstones(machine: Machine, deleted: pa.Table, time: Time) -> tuple[PartRef, ...]:
+    """A tombstone part of ``deleted`` (key columns and sequence), inline when it is small
+    (``inline_write_max_bytes``) and state's inline budget has room (compaction does not move
+    tombstones out), else an Arrow part in Blob (invisible until committed)."""
+    if deleted.num_rows == 0:
+        return ()
+    data = encode_inline(deleted)
+    stats = PartStats(with_columns=True)
+    stats.add(deleted, insert_time=time)
+    cfg = machine.config
+    room = cfg.inline_total_max_bytes - machine.state().inline_bytes
+    if len(data) <= min(cfg.inline_write_max_bytes, room):
+        return (stats.ref(None, data, len(data), None, ARROW),)
+    key = new_part_key(machine.shard_id, ARROW)
+    machine.blob.set(key, data)
+    return (stats.ref(key, None, len(data), part_checksum(data), ARROW),)
 
 
 def _conformed(table: pa.Table, target: pa.Schema) -> pa.Table:
@@ -216,32 +264,46 @@ def _conformed(table: pa.Table, target: pa.Schema) -> pa.Table:
 
 @dataclass
 class KnownRows:
-    """The updates of a set of keys up to ``upper`` (the state they were read from)."""
+    """The updates (and tombstones) of a set of keys up to ``upper`` (the state read)."""
 
     upper: Time
-    updates: pa.Table
+    found: Lookup
 
 
 def catch_up(
     known: KnownRows | None,
     state: ShardState,
-    read: Callable[[Sequence[Batch]], pa.Table],
+    read: Callable[[Sequence[Batch]], Lookup],
 ) -> KnownRows:
     """The updates of the write's keys up to ``state.upper``: ``known``'s plus those of the
     batches added since, or all of them read again when compaction merged a batch across
     ``known.upper`` (a merged batch's updates can no longer be told apart)."""
     trace = state.trace
     if known is not None and all(b.lower >= known.upper or b.upper <= known.upper for b in trace):
-        newer = [b for b in trace if b.lower >= known.upper]
-        more = read(newer)
-        table = pa.concat_tables([known.updates, more]) if more.num_rows else known.updates
-        return KnownRows(state.upper, table)
+        more = read([b for b in trace if b.lower >= known.upper])
+        old = known.found
+        updates = pa.concat_tables([old.updates, more.updates])
+        tombs = None
+        if old.tombstones is not None and more.tombstones is not None:
+            tombs = pa.concat_tables([old.tombstones, more.tombstones])
+        return KnownRows(state.upper, Lookup(updates, tombs))
     return KnownRows(state.upper, read(trace))
 
 
-UpsertCommit = Callable[[pa.Table, pa.Schema, Time, Time], AppendResult]
-"""Stage updates (in the schema given) and compare_and_append them as
-``[expected_upper, new_upper)``, with the same token on every attempt."""
+@dataclass(frozen=True)
+class UpsertAttempt:
+    """One attempt of an upsert: ``updates`` (in ``schema``) and ``tombstones`` (staged) to
+    commit as the batch ``[upper, new_upper)``."""
+
+    updates: pa.Table
+    schema: pa.Schema
+    upper: Time
+    new_upper: Time
+    tombstones: tuple[PartRef, ...]
+
+
+UpsertCommit = Callable[[UpsertAttempt], AppendResult]
+"""Stage an attempt's updates and compare_and_append them, with the same token every time."""
 
 
 def upsert_rows(
@@ -261,6 +323,8 @@ def upsert_rows(
     schema = decode_schema(machine.state().schema)
     keys = _keys(machine, "upsert")
     check_key_columns(table, keys, schema, machine.shard_id)  # names the key, before the rest
+    if sequence is not None:
+        check_sequence_column(table, schema, sequence, machine.shard_id)
     table = conform_inserts(table, schema, machine.shard_id)
     writes = prepare_write(
         table, schema, keys, machine.shard_id, deletes=deletes, sequence=sequence
@@ -350,17 +414,25 @@ def run_upsert(
     attempt that landed answers every later one ``AlreadyCommitted``.
     """
     wanted = key_table(writes, keys)
+    blob, shard = machine.blob, machine.shard_id
 
-    def read(batches: Sequence[Batch]) -> pa.Table:
-        return lookup(machine.blob, machine.shard_id, schema, batches, keys, wanted).updates
+    def read(batches: Sequence[Batch]) -> Lookup:
+        return lookup(blob, shard, schema, batches, keys, wanted, sequence=sequence)
 
     state = machine.state()
     known: KnownRows | None = None
     while True:
         known = catch_up(known, state, read)
         t = max(state.upper, machine.clock_ms())
-        updates, _ = plan_upsert(writes, known.updates, schema, keys, t, sequence)
-        result = commit(updates, schema, state.upper, t + 1)
+        found = known.found
+        updates, took = plan_upsert(
+            writes, found.updates, schema, keys, t, sequence, found.tombstones
+        )
+        tombs: tuple[PartRef, ...] = ()
+        if sequence is not None:
+            deleted = took.filter(took.column(DELETE)).select([*keys, sequence])
+            tombs = stage_tombstones(machine, deleted, t)
+        result = commit(UpsertAttempt(updates, schema, state.upper, t + 1, tombs))
         if not isinstance(result, UpperMismatch):
             return result
         state = machine.state()

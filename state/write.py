@@ -48,7 +48,7 @@ from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
 from .stats import time_bounds
 from .tracing import traced
-from .upsert import UpsertCommit, delete_keys, refuse_keyed, upsert_rows
+from .upsert import UpsertAttempt, UpsertCommit, delete_keys, refuse_keyed, upsert_rows
 from .versions import read_history
 
 log = logging.getLogger(__name__)
@@ -339,12 +339,12 @@ class WriteHandle:
         with one token for every attempt."""
         writer, tok = self._identity(token)
 
-        def commit(
-            updates: pa.Table, schema: pa.Schema, upper: Time, new_upper: Time
-        ) -> AppendResult:
-            staged = [self._stage(updates, True, schema)]
-            args = (writer, tok, None, True, False, None, RunInfo())
-            return self._append_batches(staged, upper, new_upper, *args, staged_here=True)
+        def commit(attempt: UpsertAttempt) -> AppendResult:
+            staged = [self._stage(attempt.updates, True, attempt.schema)]
+            args = (attempt.upper, attempt.new_upper, writer, tok, None, True, False, None)
+            return self._append_batches(
+                staged, *args, RunInfo(), staged_here=True, tombstones=attempt.tombstones
+            )
 
         return commit
 
@@ -374,6 +374,7 @@ class WriteHandle:
         info: RunInfo,
         *,
         staged_here: bool,
+        tombstones: tuple[PartRef, ...] = (),
     ) -> AppendResult:
         """compare_and_append_batches as ``writer`` with ``token``.
 
@@ -415,12 +416,13 @@ class WriteHandle:
                 now_ms=self._machine.clock_ms(),
                 replace=replace,
                 schema=schema,
+                tombstones=tombstones,
             )
             if isinstance(outcome, commands.Apply):
                 # Every attempt that will reference the parts checks them (the sweep may take
                 # them while a store blip holds the commit back); a retry answered
                 # AlreadyCommitted must not fail because GC moved on since.
-                check_staged(self._machine, parts)
+                check_staged(self._machine, [*parts, *tombstones])
             return outcome
 
         try:
@@ -428,10 +430,10 @@ class WriteHandle:
         except SchemaMismatch:
             # A merge-schema commit that met a conflicting column can never land: its parts
             # go now (those an attempt with an unknown outcome did or may commit stay).
-            self._give_up(parts, info, staged_here)
+            self._give_up([*parts, *tombstones], info, staged_here)
             raise
         if isinstance(result, UpperMismatch) and delete_on_mismatch:
-            self._give_up(parts, info, staged_here)
+            self._give_up([*parts, *tombstones], info, staged_here)
         return result
 
     def _give_up(self, parts: Sequence[PartRef], info: RunInfo, staged_here: bool) -> None:
@@ -590,5 +592,5 @@ def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 
     batches = list(start.batches.values())
     for row in rows:
         batches.extend(decode(row.data, where=f"consensus row {start.shard_id!r}").put_batches)
-    referenced = {p.key for b in batches for p in b.parts if p.key is not None}
+    referenced = {p.key for b in batches for p in b.all_parts if p.key is not None}
     return [p for p in keyed if p.key not in referenced]

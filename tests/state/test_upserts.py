@@ -356,3 +356,69 @@ def test_faults_lose_no_upsert_and_apply_none_twice(tmp_path: Path) -> None:
         assert len(commits) == 2 * WRITES  # none lost, none applied twice
         assert live(shard) == serial_model(shard, writes)
         every_time_one_row_per_key(shard)
+
+
+# --- order: a sequence column -----------------------------------------------------------------
+
+SEQ = pa.schema([("id", pa.int64()), ("name", pa.string()), ("lsn", pa.int64())])
+
+
+def seq_rows(ids: list[int], names: list[str], lsns: list[int]) -> pa.Table:
+    return pa.table({"id": ids, "name": names, "lsn": lsns}, schema=SEQ)
+
+
+def test_the_highest_sequence_wins_within_and_across_writes_deletes_included(
+    client: PersistClient, shard_name: str
+) -> None:
+    shard = client.open_shard(shard_name, SEQ, keys=["id"])
+    w = shard.writer()
+    w.upsert(seq_rows([1, 1, 2], ["a5", "a3", "b1"], [5, 3, 1]), sequence_column="lsn")
+    assert live(shard) == {1: "a5", 2: "b1"}  # within a write: lsn 5 beats the later lsn 3
+    w.upsert(seq_rows([1, 2], ["a4", "b2"], [4, 2]), sequence_column="lsn")
+    assert live(shard) == {1: "a5", 2: "b2"}  # a late event for id 1 is ignored
+    w.delete(pa.table({"id": [2, 3], "lsn": [10, 7]}), sequence_column="lsn")
+    w.upsert(seq_rows([2, 3], ["b9", "c6"], [9, 6]), sequence_column="lsn")
+    assert live(shard) == {1: "a5"}  # updates older than their key's delete stay deleted
+    w.delete(pa.table({"id": [1], "lsn": [4]}), sequence_column="lsn")
+    assert live(shard) == {1: "a5"}  # a delete older than the row is ignored too
+    shard.compact()
+    shard.gc()
+    w.upsert(seq_rows([2, 3], ["b8", "c7"], [8, 7]), sequence_column="lsn")
+    assert live(shard) == {1: "a5", 3: "c7"}  # tombstones outlive compaction and GC; a tie
+    # (c7 at lsn 7, the delete's) goes to the write
+    every_time_one_row_per_key(shard)
+
+
+def test_tombstones_in_blob_survive_compaction_and_gc(tmp_path: Path) -> None:
+    config = PersistConfig(maintenance=False, inline_write_max_bytes=1)
+    with PersistClient.open(f"file://{tmp_path}/b", f"sqlite:///{tmp_path}/c", config=config) as c:
+        shard = c.open_shard("k", SEQ, keys=["id"])
+        w = shard.writer()
+        w.upsert(seq_rows([1, 2], ["a", "b"], [1, 1]), sequence_column="lsn")
+        w.delete(pa.table({"id": [1], "lsn": [5]}), sequence_column="lsn")
+        tombs = [t for b in shard.state().trace for t in b.tombstones]
+        assert len(tombs) == 1 and tombs[0].key is not None
+        for _ in range(3):
+            w.upsert(seq_rows([2], ["b"], [2]), sequence_column="lsn")
+        shard.compact()
+        shard.gc()
+        assert c.blob.get(tombs[0].key) is not None
+        w.upsert(seq_rows([1], ["late"], [4]), sequence_column="lsn")
+        assert live(shard) == {2: "b"}
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (pa.table({"id": [1], "name": ["a"]}), r"lacks its sequence column 'lsn'"),
+        (pa.table({"id": [1], "name": ["a"], "lsn": ["x"]}), r"lsn.* is string"),
+        (pa.table({"id": [1], "name": ["a"], "lsn": pa.array([None], pa.int64())}), r"null seq"),
+    ],
+)
+def test_a_bad_sequence_column_fails_before_staging(
+    mem: PersistClient, rows: pa.Table, message: str
+) -> None:
+    shard = mem.open_shard("k", SEQ, keys=["id"])
+    with pytest.raises((InvalidUpdates, PersistError), match=message):
+        shard.writer().upsert(rows, sequence_column="lsn")
+    assert shard.state().seqno == 1
