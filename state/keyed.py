@@ -336,3 +336,24 @@ def _not_older(
     ok = pc.or_kleene(pc.is_null(seen_col), pc.greater_equal(joined.column(sequence), seen_col))
     keep = np.sort(joined.filter(ok).column(_ROW).to_numpy())
     return writes.take(pa.array(keep))
+
+
+def latest_rows(
+    rows: pa.Table,
+    schema: pa.Schema,
+    keys: tuple[str, ...],
+    shard: str,
+    *,
+    delete_column: str | None = None,
+    sequence: str | None = None,
+) -> pa.Table:
+    """What a keyed shard replaced by ``rows`` holds: one row per key, picked as an upsert picks
+    it (the last, or the highest ``sequence``), in ``schema``; rows whose ``delete_column`` is
+    true delete their key, and that column is not kept (an overwrite of a keyed shard)."""
+    deletes: pa.ChunkedArray | bool = False
+    if delete_column is not None:
+        deletes = rows.column(delete_column)
+        rows = rows.drop_columns([delete_column])
+    rows = rows.select(schema.names)
+    kept = prepare_write(rows, schema, keys, shard, deletes=deletes, sequence=sequence)
+    return kept.filter(pc.invert(kept.column(DELETE))).drop_columns([DELETE])
