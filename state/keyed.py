@@ -200,7 +200,8 @@ def live_rows(updates: pa.Table, row_columns: list[str]) -> pa.Table:
     For a shard's updates before its upper this is the collection at
     ``upper - 1``: what an upsert committed at the upper retracts.
     """
-    if updates.num_rows == 0:
+    if updates.num_rows == 0 or pc.min(updates.column(DIFF)).as_py() > 0:
+        # No retraction among them (a compacted history): nothing cancels, no group-by.
         return updates.select([*row_columns, DIFF])
     grouped = updates.group_by(row_columns, use_threads=False).aggregate([(DIFF, "sum")])
     out = grouped.rename_columns([*row_columns, DIFF]).select([*row_columns, DIFF])

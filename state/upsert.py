@@ -30,6 +30,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -61,38 +62,102 @@ KEY_CACHE_BYTES = 256 << 20
 """The bytes of part key columns one process keeps (:class:`KeyColumnCache`)."""
 
 
+CacheKey = tuple[str, str | bytes, tuple[str, ...]]
+"""A cached part's Blob, identity (its Blob key, or an inline part's bytes) and key columns."""
+
+
+@dataclass(frozen=True)
+class PartKeys:
+    """The key columns of one part's stored updates, read (and checksummed) once.
+
+    With one integer key column, its values also sorted (``order`` maps them back to rows),
+    so finding a write's keys is a binary search per key rather than a scan of the part.
+    """
+
+    columns: pa.Table
+    sorted_values: np.ndarray | None = None
+    order: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, columns: pa.Table) -> PartKeys:
+        """Index ``columns`` (combined into one chunk)."""
+        columns = columns.combine_chunks()
+        if columns.num_columns == 1 and pa.types.is_integer(columns.schema.types[0]):
+            values = columns.column(0).to_numpy()
+            order = np.argsort(values, kind="stable")
+            return cls(columns, values[order], order)
+        return cls(columns)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held."""
+        extra = 0 if self.order is None or self.sorted_values is None else self.order.nbytes * 2
+        return int(self.columns.nbytes) + extra
+
+    def positions(self, keys: tuple[str, ...], wanted: Wanted) -> np.ndarray:
+        """The sorted row positions whose key is one of ``wanted``'s."""
+        if self.sorted_values is not None and self.order is not None and wanted.values is not None:
+            lo = np.searchsorted(self.sorted_values, wanted.values, "left")
+            hi = np.searchsorted(self.sorted_values, wanted.values, "right")
+            lens = hi - lo
+            total = int(lens.sum())
+            if total == 0:
+                return np.empty(0, dtype=np.int64)
+            ends = np.cumsum(lens)
+            offsets = np.arange(total) - np.repeat(ends - lens, lens)
+            return np.sort(self.order[np.repeat(lo, lens) + offsets])
+        mask = mask_with_keys(self.columns, keys, wanted.table)
+        return np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A write's distinct keys (a key table), and with one integer key column its values."""
+
+    table: pa.Table
+
+    @cached_property
+    def values(self) -> np.ndarray | None:
+        """The values of a single integer key column, sorted (a binary search of sorted needles
+        walks the part's values in order), else None."""
+        if self.table.num_columns == 1 and pa.types.is_integer(self.table.schema.types[0]):
+            return np.sort(np.asarray(self.table.column(0).to_numpy()))
+        return None
+
+
 class KeyColumnCache:
-    """The key columns of immutable parts, by Blob key, least recently used out first.
+    """The key columns of immutable parts (:class:`PartKeys`), by Blob key (an inline part:
+    by its bytes), least recently used out first.
 
     Never stale: a part key is written once and never changed. Thread-safe.
     """
 
     def __init__(self, max_bytes: int = KEY_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[str, str, tuple[str, ...]], pa.Table] = OrderedDict()
+        self._items: OrderedDict[CacheKey, PartKeys] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: tuple[str, str, tuple[str, ...]]) -> pa.Table | None:
+    def get(self, key: CacheKey) -> PartKeys | None:
         with self._lock:
-            table = self._items.get(key)
-            if table is None:
+            found = self._items.get(key)
+            if found is None:
                 self.misses += 1
                 return None
             self._items.move_to_end(key)
             self.hits += 1
-            return table
+            return found
 
-    def put(self, key: tuple[str, str, tuple[str, ...]], table: pa.Table) -> None:
-        size = table.nbytes
+    def put(self, key: CacheKey, keys: PartKeys) -> None:
+        size = keys.nbytes
         if size > self.max_bytes // 4:
             return
         with self._lock:
             if key in self._items:
                 return
-            self._items[key] = table
+            self._items[key] = keys
             self._bytes += size
             while self._bytes > self.max_bytes:
                 _, old = self._items.popitem(last=False)
@@ -138,33 +203,36 @@ def _may_hold(part: PartRef, keys: tuple[str, ...], wanted: pa.Table) -> bool:
 
 def _key_columns(
     blob: Blob, part: PartRef, shard_id: str, keys: tuple[str, ...], cache: KeyColumnCache
-) -> pa.Table:
-    """The key columns of every stored update of ``part`` (cached for Blob parts)."""
-    ckey = (blob.uri, part.key, keys) if part.key is not None else None
-    if ckey is not None:
-        hit = cache.get(ckey)
-        if hit is not None:
-            return hit
+) -> tuple[PartKeys, bool]:
+    """The key columns of every stored update of ``part``, and whether they came from the
+    cache (then the part's bytes were checksummed when they were read)."""
+    ckey = (blob.uri, part.identity, keys)
+    hit = cache.get(ckey)
+    if hit is not None:
+        return hit, True
     data = fetch_part_bytes(blob, part, shard_id)
     if part.inline is None and part.fmt == PARQUET:
         table = pq.read_table(pa.BufferReader(pa.py_buffer(data)), columns=list(keys))
     else:
         batches = [b.select(list(keys)) for b in iter_part_batches(data, part, shard_id)]
-        table = pa.Table.from_batches(batches) if batches else None
-        if table is None:
-            return pa.table({k: pa.array([]) for k in keys})
-    table = table.combine_chunks()
-    if ckey is not None:
-        cache.put(ckey, table)
-    return table
+        if not batches:
+            return PartKeys(pa.table({k: pa.array([]) for k in keys})), False
+        table = pa.Table.from_batches(batches)
+    found = PartKeys.of(table)
+    cache.put(ckey, found)
+    return found, False
 
 
-def _rows_at(blob: Blob, part: PartRef, shard_id: str, rows: np.ndarray) -> pa.Table:
+def _rows_at(blob: Blob, part: PartRef, shard_id: str, rows: np.ndarray, checked: bool) -> pa.Table:
     """The stored updates of ``part`` at the sorted row positions ``rows``.
 
-    Of a Parquet part only the row groups that hold them are decoded.
+    Of a Parquet part only the row groups that hold them are decoded; of an Arrow part (a
+    mapped file) only the batches that hold them are taken from. ``checked``: the part's
+    bytes were checksummed before (a part never changes), so they are not again.
     """
-    data = fetch_part_bytes(blob, part, shard_id)
+    data = blob.get_view(part.key) if checked and part.key is not None else None
+    if data is None:
+        data = fetch_part_bytes(blob, part, shard_id)
     if part.inline is None and part.fmt == PARQUET:
         pf = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data)))
         starts = np.cumsum(
@@ -175,8 +243,13 @@ def _rows_at(blob: Blob, part: PartRef, shard_id: str, rows: np.ndarray) -> pa.T
         offsets = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in groups])
         local = np.searchsorted(offsets, rows)
         return table.take(pa.array(local))
-    table = pa.Table.from_batches(list(iter_part_batches(data, part, shard_id)))
-    return table.take(pa.array(rows))
+    batches = list(iter_part_batches(data, part, shard_id))
+    bounds = np.cumsum([0] + [b.num_rows for b in batches])
+    which = np.searchsorted(bounds, rows, side="right") - 1
+    taken = [
+        batches[i].take(pa.array(rows[which == i] - bounds[i])) for i in np.unique(which).tolist()
+    ]
+    return pa.Table.from_batches(taken)
 
 
 def lookup(
@@ -200,6 +273,7 @@ def lookup(
     found: list[pa.Table] = []
     tombs: list[pa.Table] = []
     target = data_schema(schema)
+    want = Wanted(wanted)
     for batch in batches:
         for part in batch.tombstones if sequence is not None else ():
             if _may_hold(part, keys, wanted):
@@ -212,11 +286,11 @@ def lookup(
                 out.parts_skipped += 1
                 continue
             out.parts_read += 1
-            mask = mask_with_keys(_key_columns(blob, part, shard_id, keys, cache), keys, wanted)
-            rows = np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+            part_keys, checked = _key_columns(blob, part, shard_id, keys, cache)
+            rows = part_keys.positions(keys, want)
             if len(rows) == 0:
                 continue
-            hit = _rows_at(blob, part, shard_id, rows)
+            hit = _rows_at(blob, part, shard_id, rows, checked)
             out.rows_decoded += hit.num_rows
             if part.negate:
                 idx = hit.schema.get_field_index(DIFF)
@@ -356,6 +430,13 @@ def _keys(machine: Machine, what: str) -> tuple[str, ...]:
             'it with open_shard(name, schema, keys=["id"]), or use append()'
         )
     return keys
+
+
+def part_format(state: ShardState) -> str:
+    """The format a shard's writes and compactions store parts in: Parquet, but Arrow for a
+    keyed shard, whose upserts fetch scattered rows of every part (a ``take`` from a mapped
+    Arrow part decodes nothing; a Parquet part decodes every row group that holds one)."""
+    return ARROW if state.keys else PARQUET
 
 
 def refuse_keyed(state: ShardState, what: str) -> None:

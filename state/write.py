@@ -48,7 +48,7 @@ from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
 from .stats import time_bounds
 from .tracing import traced
-from .upsert import UpsertAttempt, UpsertCommit, delete_keys, refuse_keyed, upsert_rows
+from .upsert import UpsertAttempt, UpsertCommit, delete_keys, part_format, refuse_keyed, upsert_rows
 from .versions import read_history
 
 log = logging.getLogger(__name__)
@@ -166,14 +166,16 @@ class WriteHandle:
         staged with added columns with ``compare_and_append_batches(schema=...)``.
         Tiny writes ride inline in state only while the inline data there
         stays within ``inline_total_max_bytes`` (which bounds rollups too).
+        A keyed shard's parts are Arrow (see :func:`~.upsert.part_format`).
         """
-        cfg = self._machine.config
+        cfg, state = self._machine.config, self._machine.state()
         return BatchBuilder(
             self._machine.blob,
             self.shard_id,
             self.schema if schema is None else schema,
             cfg,
-            inline_budget=cfg.inline_total_max_bytes - self._machine.state().inline_bytes,
+            inline_budget=cfg.inline_total_max_bytes - state.inline_bytes,
+            part_format=part_format(state),
         )
 
     @traced("WriteHandle.fit_inline")

@@ -422,3 +422,32 @@ def test_a_bad_sequence_column_fails_before_staging(
     with pytest.raises((InvalidUpdates, PersistError), match=message):
         shard.writer().upsert(rows, sequence_column="lsn")
     assert shard.state().seqno == 1
+
+
+def test_compaction_folds_a_key_updated_a_thousand_times_into_one_row() -> None:
+    """Once since passes them, a key's 1,000 upserts (each a retraction and an insertion) are
+    stored as its one live row, and GC deletes the parts that held the rest."""
+    with PersistClient.open("mem://", "mem://") as c:
+        shard = c.open_shard("hot", SCHEMA, keys=["id"])
+        w, reader = shard.writer(), shard.reader()
+        for i in range(1000):
+            w.upsert(table([1], [f"v{i}"]))
+        before = sum(b.rows for b in shard.state().trace)
+        w.upsert(table([2], ["other"]))
+        reader.downgrade_since(shard.upper - 1)  # since passes every update of key 1
+        c.maintenance.wait_idle()
+        shard.compact()
+        reader.close()  # its SeqNo lease would keep the replaced parts
+        shard.gc()
+        state = shard.state()
+        leased = [
+            LeasedPart("hot", c.blob.uri, p, 0, state.upper, None, state.seqno)
+            for b in state.trace
+            for p in b.parts
+        ]
+        stored = [r for t in iter_parts(c.blob, leased) for r in t.to_pylist()]
+        assert [(r["name"], r["_diff"]) for r in stored if r["id"] == 1] == [("v999", 1)]
+        assert before >= 1999 and len(stored) <= 3
+        kept = {m.key for m in c.blob.list_keys("hot/part/")}
+        assert kept == {p.key for b in state.trace for p in b.parts if p.key is not None}
+        assert live(shard) == {1: "v999", 2: "other"}
