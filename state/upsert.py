@@ -60,6 +60,8 @@ from .stats import PartStats
 
 KEY_CACHE_BYTES = 256 << 20
 """The bytes of part key columns one process keeps (:class:`KeyColumnCache`)."""
+MAPPED_PARTS = 256
+"""The ``file://`` Arrow parts one process keeps mapped for lookups (:class:`KeyColumnCache`)."""
 
 
 CacheKey = tuple[str, str | bytes, tuple[str, ...]]
@@ -70,44 +72,58 @@ CacheKey = tuple[str, str | bytes, tuple[str, ...]]
 class PartKeys:
     """The key columns of one part's stored updates, read (and checksummed) once.
 
-    With one integer key column, its values also sorted (``order`` maps them back to rows),
-    so finding a write's keys is a binary search per key rather than a scan of the part.
+    One integer key column is kept as its distinct values sorted, each with where its rows
+    start in ``order`` (the rows sorted by key; the next key's start ends them): finding a
+    write's keys is one binary search per key, in 16 bytes a row. Other keys keep their
+    columns, matched with ``is_in`` or a semi join.
     """
 
-    columns: pa.Table
-    sorted_values: np.ndarray | None = None
+    columns: pa.Table | None
+    distinct: np.ndarray | None = None
+    starts: np.ndarray | None = None
     order: np.ndarray | None = None
 
     @classmethod
     def of(cls, columns: pa.Table) -> PartKeys:
         """Index ``columns`` (combined into one chunk)."""
         columns = columns.combine_chunks()
-        if columns.num_columns == 1 and pa.types.is_integer(columns.schema.types[0]):
+        n = columns.num_rows
+        if columns.num_columns == 1 and pa.types.is_integer(columns.schema.types[0]) and n:
             values = columns.column(0).to_numpy()
-            order = np.argsort(values, kind="stable")
-            return cls(columns, values[order], order)
+            index = np.int32 if n < 2**31 else np.int64
+            order = np.argsort(values, kind="stable").astype(index)
+            distinct, starts = np.unique(values[order], return_index=True)
+            starts = np.append(starts, n).astype(index)
+            return cls(None, distinct, starts, order)
         return cls(columns)
 
     @property
     def nbytes(self) -> int:
         """Memory held."""
-        extra = 0 if self.order is None or self.sorted_values is None else self.order.nbytes * 2
-        return int(self.columns.nbytes) + extra
+        arrays = (self.distinct, self.starts, self.order)
+        held = sum(a.nbytes for a in arrays if a is not None)
+        return held + (0 if self.columns is None else int(self.columns.nbytes))
 
     def positions(self, keys: tuple[str, ...], wanted: Wanted) -> np.ndarray:
         """The sorted row positions whose key is one of ``wanted``'s."""
-        if self.sorted_values is not None and self.order is not None and wanted.values is not None:
-            lo = np.searchsorted(self.sorted_values, wanted.values, "left")
-            hi = np.searchsorted(self.sorted_values, wanted.values, "right")
-            lens = hi - lo
-            total = int(lens.sum())
-            if total == 0:
-                return np.empty(0, dtype=np.int64)
-            ends = np.cumsum(lens)
-            offsets = np.arange(total) - np.repeat(ends - lens, lens)
-            return np.sort(self.order[np.repeat(lo, lens) + offsets])
-        mask = mask_with_keys(self.columns, keys, wanted.table)
-        return np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+        if self.columns is not None:
+            mask = mask_with_keys(self.columns, keys, wanted.table)
+            return np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+        values = wanted.values
+        assert values is not None and self.distinct is not None
+        assert self.starts is not None and self.order is not None
+        at = np.searchsorted(self.distinct, values)
+        inside = at < len(self.distinct)
+        at, values = at[inside], values[inside]
+        hit = at[self.distinct[at] == values]
+        first = self.starts[hit].astype(np.int64)
+        lens = self.starts[hit + 1] - first
+        total = int(lens.sum())
+        if total == 0:
+            return np.empty(0, dtype=np.int64)
+        ends = np.cumsum(lens)
+        offsets = np.arange(total) - np.repeat(ends - lens, lens)
+        return np.sort(self.order[np.repeat(first, lens) + offsets].astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -137,8 +153,27 @@ class KeyColumnCache:
         self._items: OrderedDict[CacheKey, PartKeys] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._mapped: OrderedDict[CacheKey, list[pa.RecordBatch]] = OrderedDict()
         self.hits = 0
         self.misses = 0
+
+    def mapped(
+        self, key: CacheKey, load: Callable[[], list[pa.RecordBatch]]
+    ) -> list[pa.RecordBatch]:
+        """The batches of a mapped (``file://``) Arrow part, kept mapped across lookups: its
+        pages stay in this process's page tables (they are the page cache's, not its heap),
+        where mapping the file anew faulted in every page a lookup touched, each time."""
+        with self._lock:
+            found = self._mapped.get(key)
+            if found is not None:
+                self._mapped.move_to_end(key)
+                return found
+        batches = load()
+        with self._lock:
+            self._mapped[key] = batches
+            while len(self._mapped) > MAPPED_PARTS:
+                self._mapped.popitem(last=False)
+        return batches
 
     def get(self, key: CacheKey) -> PartKeys | None:
         with self._lock:
@@ -216,20 +251,32 @@ def _key_columns(
     else:
         batches = [b.select(list(keys)) for b in iter_part_batches(data, part, shard_id)]
         if not batches:
-            return PartKeys(pa.table({k: pa.array([]) for k in keys})), False
+            return PartKeys(pa.table({k: pa.array([], pa.int64()) for k in keys})), False
         table = pa.Table.from_batches(batches)
     found = PartKeys.of(table)
     cache.put(ckey, found)
     return found, False
 
 
-def _rows_at(blob: Blob, part: PartRef, shard_id: str, rows: np.ndarray, checked: bool) -> pa.Table:
+def _rows_at(
+    blob: Blob,
+    part: PartRef,
+    shard_id: str,
+    rows: np.ndarray,
+    checked: bool,
+    cache: KeyColumnCache,
+) -> pa.Table:
     """The stored updates of ``part`` at the sorted row positions ``rows``.
 
     Of a Parquet part only the row groups that hold them are decoded; of an Arrow part (a
     mapped file) only the batches that hold them are taken from. ``checked``: the part's
-    bytes were checksummed before (a part never changes), so they are not again.
+    bytes were checksummed before (a part never changes), so they are not again; an Arrow
+    part of a ``file://`` Blob then stays mapped in ``cache`` (:meth:`KeyColumnCache.mapped`).
     """
+    if checked and part.key is not None and part.fmt != PARQUET and blob.uri.startswith("file:"):
+        ckey = (blob.uri, part.identity, ())
+        batches = cache.mapped(ckey, lambda: _batches(blob, part, shard_id, checked))
+        return _take(batches, rows)
     data = blob.get_view(part.key) if checked and part.key is not None else None
     if data is None:
         data = fetch_part_bytes(blob, part, shard_id)
@@ -243,7 +290,19 @@ def _rows_at(blob: Blob, part: PartRef, shard_id: str, rows: np.ndarray, checked
         offsets = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in groups])
         local = np.searchsorted(offsets, rows)
         return table.take(pa.array(local))
-    batches = list(iter_part_batches(data, part, shard_id))
+    return _take(list(iter_part_batches(data, part, shard_id)), rows)
+
+
+def _batches(blob: Blob, part: PartRef, shard_id: str, checked: bool) -> list[pa.RecordBatch]:
+    """A part's stored batches (views of its mapped bytes)."""
+    data = blob.get_view(part.key) if checked and part.key is not None else None
+    if data is None:
+        data = fetch_part_bytes(blob, part, shard_id)
+    return list(iter_part_batches(data, part, shard_id))
+
+
+def _take(batches: list[pa.RecordBatch], rows: np.ndarray) -> pa.Table:
+    """The rows at sorted positions ``rows`` of ``batches`` taken in order, batch by batch."""
     bounds = np.cumsum([0] + [b.num_rows for b in batches])
     which = np.searchsorted(bounds, rows, side="right") - 1
     taken = [
@@ -290,7 +349,7 @@ def lookup(
             rows = part_keys.positions(keys, want)
             if len(rows) == 0:
                 continue
-            hit = _rows_at(blob, part, shard_id, rows, checked)
+            hit = _rows_at(blob, part, shard_id, rows, checked, cache)
             out.rows_decoded += hit.num_rows
             if part.negate:
                 idx = hit.schema.get_field_index(DIFF)
