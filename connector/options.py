@@ -64,6 +64,9 @@ LEASE_SECONDS = "leaseseconds"
 PART_SIZE = "partsizebytes"
 RETENTION = "retention"
 MERGE_SCHEMA = "mergeschema"
+UPSERT_KEYS = "upsertkeys"
+DELETE_COLUMN = "deletecolumn"
+SEQUENCE_COLUMN = "sequencecolumn"
 CHECKPOINT = "checkpointlocation"
 FILTER_PUSHDOWN = "filterpushdown"
 COLUMNS = "columns"
@@ -432,6 +435,42 @@ OPTIONS: tuple[OptionName, ...] = (
             "#retention-storage-bounded-by-time-never-at-a-live-readers-expense))",
         ),
     ),
+    OptionName(
+        "upsertKeys",
+        UPSERT_KEYS,
+        _WRITES,
+        peers="Hudi's recordkey.field, Paimon's primary-key",
+        doc=OptionDoc(
+            "none (an unkeyed shard; a keyed shard upserts anyway)",
+            "the key columns, comma-separated: the first write creates the shard keyed by "
+            "them, and every write to a keyed shard upserts (each key's current row retracted, "
+            "its new row inserted; see [Keyed shards](spark.md#keyed-shards-upserts-and-"
+            "deletes)); a write naming other keys is refused, e.g. "
+            '`.option("upsertKeys", "region,id")`',
+        ),
+    ),
+    OptionName(
+        "deleteColumn",
+        DELETE_COLUMN,
+        _WRITES,
+        doc=OptionDoc(
+            "none",
+            "on a keyed shard, a boolean column whose true rows delete their key; it is not "
+            'stored, e.g. `.option("deleteColumn", "is_deleted")`',
+        ),
+    ),
+    OptionName(
+        "sequenceColumn",
+        SEQUENCE_COLUMN,
+        _WRITES,
+        peers="Hudi's precombine.field, Paimon's sequence.field",
+        doc=OptionDoc(
+            "none (the last write wins)",
+            "on a keyed shard, an integer or timestamp column: the highest sequence of a key "
+            "wins, within and across writes, deletes included (ties: the write), e.g. "
+            '`.option("sequenceColumn", "lsn")`',
+        ),
+    ),
     OptionName("checkpointLocation", CHECKPOINT, _STREAM_WRITE),  # Spark's, for streaming
     OptionName("queryName", QUERY_NAME, _STREAM_WRITE),  # Spark's, from .queryName(name)
 )
@@ -560,6 +599,12 @@ class PersistOptions:
     """The shard's retention period to set (on creation or after); None leaves it as it is."""
     merge_schema: bool = False
     """Add the DataFrame's columns the shard lacks to its schema, in the write's own commit."""
+    upsert_keys: tuple[str, ...] | None = None
+    """The key columns a write names (creating the shard keyed); None: as the shard has it."""
+    delete_column: str | None = None
+    """A boolean column of a keyed write whose true rows delete their key (not stored)."""
+    sequence_column: str | None = None
+    """The column whose highest value of a key wins, within and across writes."""
     said: Mapping[str, str] = field(default_factory=dict)
     """The option name the user gave each setting by (an alias, or persist's own name)."""
 
@@ -657,28 +702,34 @@ class PersistOptions:
             part_size_bytes=_size(opts, said, PART_SIZE),
             checkpoint_location=opts.get(CHECKPOINT) or None,
             filter_pushdown=_bool(opts, said, FILTER_PUSHDOWN, default=False),
-            columns=_columns(opts, said),
+            columns=_column_list(opts, said, COLUMNS, "l5,s7"),
             lease_seconds=_int(opts, said, LEASE_SECONDS, minimum=1),
             retention_ms=_retention(opts, said),
             merge_schema=_bool(opts, said, MERGE_SCHEMA, default=False),
+            upsert_keys=_column_list(opts, said, UPSERT_KEYS, "region,id"),
+            delete_column=opts.get(DELETE_COLUMN) or None,
+            sequence_column=opts.get(SEQUENCE_COLUMN) or None,
             said={k: v for k, v in said.items() if k in opts},
         )
 
 
-def _columns(opts: Mapping[str, str], said: Mapping[str, str]) -> tuple[str, ...] | None:
-    """The ``columns`` option: the names, in order (whether the shard has them is checked
-    against its schema when the read is planned)."""
-    raw = opts.get(COLUMNS)
-    if raw is None or raw == "":
+def _column_list(
+    opts: Mapping[str, str], said: Mapping[str, str], key: str, example: str
+) -> tuple[str, ...] | None:
+    """Option ``key`` as column names separated by commas (``columns``, ``upsertKeys``), in
+    order, or None if not given; whether the shard or DataFrame has them is checked where
+    the read or write is planned."""
+    raw = opts.get(key)
+    if raw is None or (key == COLUMNS and raw == ""):
         return None
     names = tuple(n.strip() for n in raw.split(","))
     if not all(names):
         raise InvalidUsage(
-            f"persist: option {said[COLUMNS]}={raw!r} has an empty name: give column names "
-            "separated by commas, e.g. l5,s7"
+            f"persist: option {said[key]}={raw!r} names no column or an empty one: give "
+            f"column names separated by commas, e.g. {example}"
         )
     if len(set(names)) != len(names):
-        raise InvalidUsage(f"persist: option {said[COLUMNS]}={raw!r} names a column twice")
+        raise InvalidUsage(f"persist: option {said[key]}={raw!r} names a column twice")
     return names
 
 

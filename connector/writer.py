@@ -21,6 +21,14 @@ parts of a crashed attempt, are reclaimed by GC's orphan sweep later.
 Complete output mode and ``mode("overwrite")`` replace the shard's contents
 atomically: the same commit retracts what is there (by reference, no reread)
 and inserts the new result.
+
+A write to a keyed shard (created by a first write with ``upsertKeys``) is an
+upsert: the tasks stage the rows as above (with the ``deleteColumn``, if
+any), and the driver's commit reads them back and upserts them in one
+compare_and_append with the micro-batch's token (``WriteHandle.upsert``:
+each key's current row retracted, its new row inserted); the staged rows are
+deleted once read, as no commit references them. An overwrite of a keyed
+shard replaces it with one row per key.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from pyspark_persist.options import PersistOptions
+from pyspark_persist.options import DELETE_COLUMN, SEQUENCE_COLUMN, PersistOptions
 from pyspark_persist.schema import sink_schema, write_schema
 from pyspark_persist.source import blob_for, client_for, freeze_worker_heap, open_shard
 from pyspark_persist.state import (
@@ -49,21 +57,30 @@ from pyspark_persist.state import (
     ARROW_ROWS,
     DIFF,
     DIFF_TYPE,
+    TIME,
     AlreadyCommitted,
     BatchBuilder,
     Committed,
+    LeasedPart,
+    PartRef,
     PersistConfig,
+    Shard,
     StagedBatch,
     UpperMismatch,
+    WriteHandle,
     abandon_staged,
     conform_columns,
     decode_schema,
     encode_schema,
+    iter_parts,
+    latest_rows,
 )
-from pyspark_persist.state.errors import InvalidUsage, ShardDropped, ShardNotFound
+from pyspark_persist.state.errors import InvalidUpdates, InvalidUsage, ShardDropped, ShardNotFound
 
 log = logging.getLogger(__name__)
 
+MAX_TIME = 2**64 - 1
+"""The largest time: a staged part's updates are read whatever their time."""
 METRICS_FILE = "persist-sink-metrics.jsonl"
 """Per-micro-batch sink figures, appended (one JSON object a line) in the checkpoint directory."""
 SHARD_RECORD = "persist-sink-shard.json"
@@ -240,6 +257,8 @@ class SinkSchema:
     """The write adds columns: its commit carries ``staged`` to add them in the same step."""
     incarnation: str
     """The incarnation of the shard checked against: the commit refuses any other one."""
+    keys: tuple[str, ...] = ()
+    """The shard's key columns: a keyed shard's writes upsert (see the module doc)."""
 
 
 def _prepare_shard(
@@ -252,22 +271,71 @@ def _prepare_shard(
     again, or write into one created again under its name.
     """
     arrow, has_diff = write_schema(schema)
+    arrow, delete_field = _without_delete_column(opts, arrow)
     # Consensus, not the PubSub-confirmed state this process may hold: a drop (by another
     # process) pushes nothing, and a new query must find the shard gone and create it again,
     # not be checked against (and commit onto) the dropped one. One read, ~0.3 ms.
     client = client_for(opts)
+    keys = opts.upsert_keys
     try:
-        shard = client.open_shard(opts.shard, create=False, retention_ms=opts.retention_ms)
+        shard = client.open_shard(
+            opts.shard, create=False, retention_ms=opts.retention_ms, keys=keys
+        )
     except ShardNotFound:
         if expected is not None:
             raise _dropped(opts, expected) from None
-        shard = client.open_shard(opts.shard, arrow, create=True, retention_ms=opts.retention_ms)
-    incarnation = shard.machine.state().incarnation
+        shard = client.open_shard(
+            opts.shard, arrow, create=True, retention_ms=opts.retention_ms, keys=keys
+        )
+    state = shard.machine.state()
+    incarnation = state.incarnation
     if expected is not None and incarnation != expected:
         raise _dropped(opts, expected)
+    _check_keyed(opts, state.keys, has_diff)
     current = shard.schema
     staged = sink_schema(current, arrow, shard.name, opts.merge_schema)
-    return SinkSchema(encode_schema(staged), has_diff, not staged.equals(current), incarnation)
+    evolves = not staged.equals(current)
+    if delete_field is not None:
+        staged = staged.append(delete_field)
+    return SinkSchema(encode_schema(staged), has_diff, evolves, incarnation, state.keys)
+
+
+def _without_delete_column(
+    opts: PersistOptions, arrow: pa.Schema
+) -> tuple[pa.Schema, pa.Field | None]:
+    """The DataFrame's columns to store, and its ``deleteColumn`` (checked boolean), if any."""
+    name = opts.delete_column
+    if name is None:
+        return arrow, None
+    idx = arrow.get_field_index(name)
+    if idx < 0:
+        raise InvalidUpdates(
+            f"persist sink: {opts.spelled(DELETE_COLUMN)} {name!r} is not a column of the "
+            f"DataFrame ({', '.join(arrow.names)}): name its boolean delete column"
+        )
+    field = arrow.field(idx)
+    if not pa.types.is_boolean(field.type):
+        raise InvalidUpdates(
+            f"persist sink: {opts.spelled(DELETE_COLUMN)} {name!r} is {field.type}: it must be "
+            f"boolean (true: delete the key), e.g. col({name!r}).cast('boolean')"
+        )
+    return arrow.remove(idx), field
+
+
+def _check_keyed(opts: PersistOptions, keys: tuple[str, ...], has_diff: bool) -> None:
+    """Refuse key options on an unkeyed shard, and hand-made diffs on a keyed one."""
+    if not keys:
+        given = [opts.spelled(s) for s in (DELETE_COLUMN, SEQUENCE_COLUMN) if opts.said.get(s)]
+        if given:
+            raise InvalidUsage(
+                f"persist sink: {' and '.join(given)} apply to a keyed shard, and shard "
+                f'{opts.shard!r} has no keys: create it with .option("upsertKeys", "id")'
+            )
+    elif has_diff:
+        raise InvalidUsage(
+            f"persist sink: shard {opts.shard!r} is keyed by {list(keys)}: every write upserts, "
+            "so a _diff column cannot be written to it; drop _diff (deletes: deleteColumn)"
+        )
 
 
 def _dropped(opts: PersistOptions, incarnation: str) -> ShardDropped:
@@ -375,25 +443,13 @@ def commit_staged(
     if shard.machine.state().incarnation != incarnation:
         raise _dropped(opts, incarnation)
     writer = shard.writer(writer_id)
-    staged = writer.fit_inline([StagedBatch.from_json(json.loads(m.staged)) for m in msgs])
-    upper = writer.upper
-    while True:
-        t = max(upper, time.time_ns() // 1_000_000)
-        result = writer.compare_and_append_batches(
-            staged,
-            upper,
-            t + 1,
-            token=token,
-            ts_rewrite=t,
-            delete_on_mismatch=False,
-            replace=replace,
-            schema=None if schema is None else decode_schema(schema),
-        )
-        if not isinstance(result, UpperMismatch):
-            break
-        upper = result.current
+    staged = [StagedBatch.from_json(json.loads(m.staged)) for m in msgs]
+    keys = shard.machine.state().keys
+    if keys:
+        result = _commit_keyed(opts, shard, writer, token, staged, replace, keys)
+    else:
+        result = _commit(writer, token, staged, replace, schema)
     outcome = "committed" if isinstance(result, Committed) else "already committed"
-    assert isinstance(result, Committed | AlreadyCommitted)
     return SinkBatchMetrics(
         batch_id=token,
         outcome=outcome,
@@ -408,6 +464,95 @@ def commit_staged(
         batch_rows=max((m.batch_rows for m in msgs), default=0),
         extra={"committed_token": result.token} if isinstance(result, AlreadyCommitted) else {},
     )
+
+
+def _commit(
+    writer: WriteHandle,
+    token: int,
+    batches: list[StagedBatch],
+    replace: bool,
+    schema: bytes | None,
+) -> Committed | AlreadyCommitted:
+    """Commit staged batches at a fresh time, retrying races with the same token."""
+    staged = writer.fit_inline(batches)
+    upper = writer.upper
+    while True:
+        t = max(upper, time.time_ns() // 1_000_000)
+        result = writer.compare_and_append_batches(
+            staged,
+            upper,
+            t + 1,
+            token=token,
+            ts_rewrite=t,
+            delete_on_mismatch=False,
+            replace=replace,
+            schema=None if schema is None else decode_schema(schema),
+        )
+        if not isinstance(result, UpperMismatch):
+            return result
+        upper = result.current
+
+
+def _commit_keyed(
+    opts: PersistOptions,
+    shard: Shard,
+    writer: WriteHandle,
+    token: int,
+    batches: list[StagedBatch],
+    replace: bool,
+    keys: tuple[str, ...],
+) -> Committed | AlreadyCommitted:
+    """Upsert (or, with ``replace``, replace by one row per key) the rows the tasks staged.
+
+    A replayed micro-batch is answered ``AlreadyCommitted`` before its rows are read. The
+    rows are read back on the driver, and their staged parts deleted once the commit is
+    decided: no commit ever references them (the upsert stages its own updates).
+    """
+    state = shard.machine.state()
+    done = state.writers.get(writer.writer_id)
+    parts = [p for b in batches for p in b.parts]
+    try:
+        if done is not None and token <= done.last_token:
+            return AlreadyCommitted(token=done.last_token, upper=state.upper)
+        rows = _staged_rows(opts, shard, parts)
+        if not replace:
+            return writer.upsert(
+                rows,
+                token=token,
+                sequence_column=opts.sequence_column,
+                delete_column=opts.delete_column,
+            )
+        kept = latest_rows(
+            rows,
+            shard.schema,
+            keys,
+            shard.name,
+            delete_column=opts.delete_column,
+            sequence=opts.sequence_column,
+        )
+        builder = writer.builder()
+        try:
+            builder.add(kept)
+            staged = builder.finish()
+        except BaseException:
+            builder.abort()
+            raise
+        return _commit(writer, token, [staged], True, None)
+    finally:
+        shard.client.blob.delete_many(p.key for p in parts if p.key is not None)
+
+
+def _staged_rows(opts: PersistOptions, shard: Shard, parts: list[PartRef]) -> pa.Table:
+    """The rows the tasks staged (the row columns and the delete column), read on the driver."""
+    blob = shard.client.blob
+    leased = [LeasedPart(shard.name, blob.uri, p, 0, MAX_TIME, None, 0) for p in parts]
+    tables = [t.drop_columns([TIME, DIFF]) for t in iter_parts(blob, leased)]
+    if tables:
+        return pa.concat_tables(tables)
+    schema = shard.schema
+    if opts.delete_column is not None:
+        schema = schema.append(pa.field(opts.delete_column, pa.bool_()))
+    return schema.empty_table()
 
 
 def abort_staged(opts: PersistOptions, messages: list[WriterCommitMessage | None]) -> None:

@@ -105,6 +105,7 @@ from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
 from .consensus import open_consensus
 from .history import Commit, Replay, state_at
+from .keyed import latest_rows
 from .logs import configure_from_environment
 from .machine import Machine
 from .planning import NO_LIMITS, LeasedPart, ReadLimits, ReadPlan, limited_upper, plan_read
@@ -185,6 +186,7 @@ __all__ = [
     "encode_schema",
     "evolve_schema",
     "iter_parts",
+    "latest_rows",
     "limited_upper",
     "open_blob",
     "open_consensus",

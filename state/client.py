@@ -7,7 +7,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace as dc_replace
 
 import pyarrow as pa
@@ -28,6 +28,7 @@ from .errors import (
     ShardNotFound,
 )
 from .history import Commit, Replay, history, replay
+from .keyed import check_keys_match, validate_keys
 from .machine import DiffPublisher, Machine, Metrics, NoopPublisher, RunInfo
 from .maintenance import CompactionReport, GcReport, Maintenance
 from .read import ReadHandle
@@ -181,6 +182,7 @@ class PersistClient:
         *,
         create: bool = True,
         retention_ms: int | str | None = None,
+        keys: Sequence[str] | None = None,
     ) -> Shard:
         """Open shard ``name``, creating it with ``schema`` if it is new and ``create`` is set.
 
@@ -188,10 +190,15 @@ class PersistClient:
         (SchemaMismatch otherwise). Without one, the shard must exist.
         ``retention_ms`` (milliseconds, or a duration such as ``"7d"``; 0: none)
         sets the shard's retention period (see state/retention.py), on an
-        existing shard too; ``None`` leaves it as it is.
+        existing shard too; ``None`` leaves it as it is. ``keys`` (key column
+        names) creates a keyed shard, whose every write is an upsert (see
+        state/keyed.py); an existing shard must have exactly those keys
+        (KeysMismatch otherwise); ``None`` opens a shard with whatever keys it has.
         """
         validate_shard_name(name)
         user_schema = None if schema is None else validate_schema(schema)
+        if keys is not None and user_schema is not None:
+            keys = validate_keys(user_schema, keys, name)
         retention_ms = None if retention_ms is None else parse_retention(retention_ms)
         try:
             machine, state = self._fetch(name)
@@ -206,28 +213,36 @@ class PersistClient:
                     )
                 ) from None
             machine = self.machine(name)
-            state, _ = self._create(machine, user_schema, retention_ms or 0)
+            state, _ = self._create(machine, user_schema, retention_ms or 0, tuple(keys or ()))
         shard = Shard(self, machine)
         if user_schema is not None and not user_schema.equals(shard.schema):
             raise SchemaMismatch(schema_mismatch_message(name, shard.schema, user_schema))
+        check_keys_match(name, state.keys, keys)
         if retention_ms is not None and state.retention_ms != retention_ms:
             shard.set_retention(retention_ms)
         return shard
 
     @traced("PersistClient.create_shard", lambda _self, name, *_a, **_k: name)
     def create_shard(
-        self, name: str, schema: pa.Schema, *, retention_ms: int | str | None = None
+        self,
+        name: str,
+        schema: pa.Schema,
+        *,
+        retention_ms: int | str | None = None,
+        keys: Sequence[str] | None = None,
     ) -> Shard:
-        """Create a new shard; ShardExists if the name is taken (by anyone but this call: a
-        creation whose reply was lost and that is found landed is this call's)."""
+        """Create a new shard (keyed by ``keys``, if given); ShardExists if the name is taken
+        (by anyone but this call: a creation whose reply was lost and that is found landed is
+        this call's)."""
         validate_shard_name(name)
         user_schema = validate_schema(schema)
+        key_columns = () if keys is None else validate_keys(user_schema, keys, name)
         retention = 0 if retention_ms is None else parse_retention(retention_ms)
         try:
             self._fetch(name)
         except ShardNotFound:
             machine = self.machine(name)
-            _, created = self._create(machine, user_schema, retention)
+            _, created = self._create(machine, user_schema, retention, key_columns)
             if created:
                 return Shard(self, machine)
         raise ShardExists(
@@ -236,7 +251,11 @@ class PersistClient:
         )
 
     def _create(
-        self, machine: Machine, schema: pa.Schema, retention_ms: int = 0
+        self,
+        machine: Machine,
+        schema: pa.Schema,
+        retention_ms: int = 0,
+        keys: tuple[str, ...] = (),
     ) -> tuple[ShardState, bool]:
         """Create ``machine``'s shard (on the tombstone of a dropped one of its name, if any);
         return its state and whether this call created it (else a racing creator did).
@@ -263,6 +282,7 @@ class PersistClient:
                 incarnation=incarnation,
                 retention_ms=retention_ms,
                 after_seqno=expected or 0,
+                keys=keys,
             )
             row = VersionedData(diff.to_seqno, encode(diff))
             res = self.consensus.compare_and_set(name, expected, row)
@@ -330,6 +350,11 @@ class Shard:
     def name(self) -> str:
         """The shard's name (its id in Blob and Consensus)."""
         return self.machine.shard_id
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The key columns of a keyed shard (fixed at creation); ``()`` for an unkeyed one."""
+        return self.machine.state().keys
 
     @traced("Shard.state", "name")
     def state(self) -> ShardState:

@@ -89,15 +89,18 @@ def create_shard(
     incarnation: str,
     retention_ms: int = 0,
     after_seqno: int = 0,
+    keys: tuple[str, ...] = (),
 ) -> StateDiff:
     """The diff that creates a shard: from nothing (SeqNo 0) to SeqNo 1, or on top of the
     tombstone a drop left at ``after_seqno``, so the new shard's SeqNos go on from there.
 
     ``incarnation`` is the id minted for this creation (see ``ShardState.incarnation``);
-    GC starts from ``after_seqno``, as nothing of this shard lies below it.
+    GC starts from ``after_seqno``, as nothing of this shard lies below it. ``keys``: the key
+    columns of a keyed shard (checked by the caller, :func:`~.keyed.validate_keys`).
     """
     b = DiffBuilder(dc_replace(EMPTY_STATE, seqno=after_seqno))
     b.set(shard_id=shard_id, schema=schema, created_ms=now_ms, incarnation=incarnation)
+    b.set(keys=keys or None)
     return b.set(retention_ms=retention_ms or None, last_gc_seqno=after_seqno or None).build()
 
 
@@ -112,6 +115,7 @@ def compare_and_append(
     now_ms: int,
     replace: bool = False,
     schema: bytes | None = None,
+    tombstones: tuple[PartRef, ...] = (),
 ) -> Outcome[AppendResult]:
     """Append one batch ``[expected_upper, new_upper)`` made of ``parts``, exactly once.
 
@@ -128,6 +132,7 @@ def compare_and_append(
     the data, so no state ever holds the new schema without the write or the
     write without it. It is merged with the schema in *this* state, so a
     concurrent writer's additions stay; SchemaMismatch when the two conflict.
+    ``tombstones``: an upsert's deleted keys and sequences (``Batch.tombstones``).
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
@@ -153,13 +158,14 @@ def compare_and_append(
         if evolved != state.schema:
             b.set(schema=evolved)
     last = state.trace[-1] if state.trace else None
-    if not parts and last is not None and not last.parts and last.since == state.since:
+    extend = last is not None and not last.parts and not last.tombstones
+    if not parts and not tombstones and extend and last is not None and last.since == state.since:
         # Empty appends only advance the upper: extend the previous empty batch so
         # an idle stream does not grow the trace by one batch per micro-batch.
         b.delete_batch(last.key)
         batch = Batch(lower=last.lower, upper=new_upper, since=last.since, parts=())
     else:
-        batch = Batch(expected_upper, new_upper, state.since, parts, retractions)
+        batch = Batch(expected_upper, new_upper, state.since, parts, retractions, tombstones)
     b.put_batch(batch)
     b.set(upper=new_upper)
     b.put_writer(writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms))

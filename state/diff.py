@@ -70,6 +70,7 @@ class DiffBuilder:
         last_gc_seqno: int | None = None,
         retention_ms: int | None = None,
         incarnation: str | None = None,
+        keys: tuple[str, ...] | None = None,
     ) -> DiffBuilder:
         """Set scalar fields (``None``: leave as is); only values that change enter the diff,
         so no-op diffs stay empty."""
@@ -82,6 +83,7 @@ class DiffBuilder:
             "last_gc_seqno": last_gc_seqno,
             "retention_ms": retention_ms,
             "incarnation": incarnation,
+            "keys": keys,
         }
         for name, value in given.items():
             if value is not None and getattr(self._state, name) != value:
@@ -168,7 +170,8 @@ def full_diff(state: ShardState) -> StateDiff:
         shard_id=state.shard_id,
         from_seqno=0,
         to_seqno=state.seqno,
-        scalars={name: getattr(state, name) for name in SCALARS},
+        # An unkeyed shard's rollup leaves ``keys`` out, as rollups before keyed shards did.
+        scalars={name: getattr(state, name) for name in SCALARS if name != "keys" or state.keys},
         maps=maps,
     )
 
@@ -249,6 +252,8 @@ def decode(data: bytes, *, where: str) -> StateDiff:
         scalars = dict(doc["s"])
         if "schema" in scalars:
             scalars["schema"] = b64decode(scalars["schema"])
+        if "keys" in scalars:
+            scalars["keys"] = tuple(str(k) for k in scalars["keys"])
         maps: dict[str, tuple[Mapping[Any, Any], frozenset[Any]]] = {}
         for name, m in doc["m"].items():
             if name == "rollups":

@@ -92,6 +92,10 @@ class SchemaMismatch(InvalidUsage):
     """The schema given does not match the schema the shard was created with."""
 
 
+class KeysMismatch(InvalidUsage):
+    """A call names other key columns than the shard's (keys are fixed when a shard is created)."""
+
+
 class SchemaChanged(SchemaMismatch):
     """A write added columns to the shard after a streaming query fixed its schema at start.
 

@@ -76,6 +76,7 @@ from .staging import BatchBuilder, delete_staged
 from .state import Batch, ShardState
 from .tracing import traced
 from .updates import consolidate, with_times
+from .upsert import part_format
 from .versions import read_history, rollup_key, write_rollup
 from .write import check_staged, never_committed
 
@@ -122,7 +123,14 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
         return CompactionReport(len(batches), rows_in, rows_in, True, False)
     table = pa.concat_tables(tables) if tables else None
     # Compaction output always goes to Blob: it is what moves inline writes out of state.
-    builder = BatchBuilder(machine.blob, state.shard_id, schema, machine.config, allow_inline=False)
+    builder = BatchBuilder(
+        machine.blob,
+        state.shard_id,
+        schema,
+        machine.config,
+        allow_inline=False,
+        part_format=part_format(state),
+    )
     rows_out = 0
     if table is not None and table.num_rows:
         times = pc.max_element_wise(table.column(TIME), int_scalar(plan.since, TIME_TYPE))

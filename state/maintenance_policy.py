@@ -156,7 +156,13 @@ def concatenation(batches: tuple[Batch, ...]) -> Batch:
     """The merge of adjacent ``batches`` that rewrites nothing: their parts side by side, at the
     oldest since among them (no time was advanced)."""
     parts = tuple(p for b in batches for p in b.parts)
-    return Batch(batches[0].lower, batches[-1].upper, min(b.since for b in batches), parts)
+    since = min(b.since for b in batches)
+    return Batch(batches[0].lower, batches[-1].upper, since, parts, tombstones=_tombs(batches))
+
+
+def _tombs(batches: tuple[Batch, ...]) -> tuple[PartRef, ...]:
+    """The tombstones of merged ``batches``: a merge keeps every one (see ``Batch.tombstones``)."""
+    return tuple(t for b in batches for t in b.tombstones)
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,8 @@ class MergePlan:
 
     def merged(self, parts: tuple[PartRef, ...]) -> Batch:
         """The batch that replaces the run once its merge is written as ``parts``."""
-        return Batch(self.replaced[0].lower, self.replaced[-1].upper, self.since, parts)
+        r = self.replaced
+        return Batch(r[0].lower, r[-1].upper, self.since, parts, tombstones=_tombs(r))
 
 
 def plan_merge(state: ShardState, batches: tuple[Batch, ...], config: PersistConfig) -> MergePlan:
@@ -263,12 +270,12 @@ def gc_walk(start: ShardState, rows: Sequence[DiffRow], seqno_since: int) -> GcW
             for key in diff.deleted_batches:
                 old = walk.batches.get(key)
                 if old is not None:
-                    candidates.update(p.key for p in old.parts if p.key is not None)
+                    candidates.update(p.key for p in old.all_parts if p.key is not None)
         walk = walk.apply(diff)
         if walk.seqno <= seqno_since:
             at_since = walk
-        live.update(p.key for b in walk.batches.values() for p in b.parts if p.key is not None)
-    keep = {p.key for b in at_since.batches.values() for p in b.parts if p.key is not None}
+        live.update(p.key for b in walk.batches.values() for p in b.all_parts if p.key is not None)
+    keep = {p.key for b in at_since.batches.values() for p in b.all_parts if p.key is not None}
     return GcWalk(candidates - keep, live, keep, at_since)
 
 

@@ -107,6 +107,13 @@ def advance_since(state: ShardState, *, now_ms: int) -> Outcome[Time]:
     return Apply(DiffBuilder(state).set(since=since).build(), since)
 
 
+def _unconsolidated(batch: Batch, since: int) -> bool:
+    """Whether ``batch`` may hold retractions that advancing its times to ``since`` cancels."""
+    return batch.since < since and any(
+        p.effective_dmin is None or p.effective_dmin < 0 for p in batch.parts
+    )
+
+
 def expired_run(state: ShardState, fan_in: int) -> tuple[Batch, ...] | None:
     """The leading batches wholly below since, when retention applies and they are worth
     merging, or None.
@@ -114,11 +121,18 @@ def expired_run(state: ShardState, fan_in: int) -> tuple[Batch, ...] | None:
     Merging them folds every version before since into one batch holding the
     contents at since (compaction advances their times to it), so the
     history retention expired stops taking space. Only shards with a
-    retention period ask for it: others keep the size-tiered policy alone.
+    retention period ask for it, and keyed shards, whose upserts retract a
+    key's old row with every update: folded, a key updated a thousand times
+    before since is one row. There a lone leading batch below since is
+    rewritten too while it still holds retractions at times since passed
+    (once: the rewrite consolidates them away); others keep the size-tiered
+    policy alone.
     """
-    if state.retention_ms <= 0:
+    if state.retention_ms <= 0 and not state.keys:
         return None
     run = [b for b in state.trace if b.upper <= state.since]
+    if len(run) == 1 and state.keys and _unconsolidated(run[0], state.since):
+        return (run[0],)
     if len(run) < 2:
         return None
     head, rest = run[0], run[1:]

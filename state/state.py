@@ -162,6 +162,15 @@ class Batch:
     since: Time
     parts: tuple[PartRef, ...]
     retractions: int = 0
+    tombstones: tuple[PartRef, ...] = ()
+    """Of a keyed shard with a sequence column: parts of ``(key columns, sequence)`` of the keys
+    deleted in this batch, which no reader reads (see :mod:`pyspark_persist.state.upsert`): an
+    upsert older than a key's delete must not bring it back. Compaction carries them along."""
+
+    @property
+    def all_parts(self) -> tuple[PartRef, ...]:
+        """Every part the batch references in Blob or inline: its data and its tombstones."""
+        return self.parts + self.tombstones if self.tombstones else self.parts
 
     @property
     def key(self) -> str:
@@ -181,7 +190,7 @@ class Batch:
     @cached_property
     def inline_bytes(self) -> int:
         """Bytes of the batch held inline in state rather than in Blob."""
-        return sum(p.size_bytes for p in self.parts if p.inline is not None)
+        return sum(p.size_bytes for p in self.all_parts if p.inline is not None)
 
     def to_json(self) -> dict[str, Any]:
         """Encode for state diffs and rollups."""
@@ -191,6 +200,7 @@ class Batch:
             "since": self.since,
             "parts": [p.to_json() for p in self.parts],
             **({"retract": self.retractions} if self.retractions else {}),
+            **({"tomb": [p.to_json() for p in self.tombstones]} if self.tombstones else {}),
         }
 
     @classmethod
@@ -203,6 +213,7 @@ class Batch:
                 since=int(d["since"]),
                 parts=tuple(PartRef.from_json(p) for p in d["parts"]),
                 retractions=int(d.get("retract", 0)),
+                tombstones=tuple(PartRef.from_json(p) for p in d.get("tomb", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"malformed batch {dict(d)!r}: {e}") from e
@@ -299,6 +310,7 @@ SCALARS: tuple[str, ...] = (
     "last_gc_seqno",
     "retention_ms",
     "incarnation",
+    "keys",
 )
 """The scalar fields of ShardState that a diff may set (seqno is the diff's own)."""
 
@@ -321,6 +333,11 @@ class ShardState:
     """The id minted when this shard was created: a shard dropped and created again under its
     name is another incarnation, and a handle bound to one never touches the other (``""``: a
     shard created before incarnations existed)."""
+    keys: tuple[str, ...] = ()
+    """The key columns of a keyed shard, set at creation and never changed: every write is an
+    upsert, and at every time the shard holds at most one row per key (see
+    :mod:`pyspark_persist.state.keyed`). ``()``: an unkeyed shard (every shard written before
+    keys existed is one)."""
     batches: Mapping[str, Batch] = field(default_factory=lambda: EMPTY_MAP)
     writers: Mapping[str, WriterState] = field(default_factory=lambda: EMPTY_MAP)
     leased_readers: Mapping[str, LeasedReaderState] = field(default_factory=lambda: EMPTY_MAP)

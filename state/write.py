@@ -48,6 +48,7 @@ from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
 from .stats import time_bounds
 from .tracing import traced
+from .upsert import UpsertAttempt, UpsertCommit, delete_keys, part_format, refuse_keyed, upsert_rows
 from .versions import read_history
 
 log = logging.getLogger(__name__)
@@ -165,14 +166,16 @@ class WriteHandle:
         staged with added columns with ``compare_and_append_batches(schema=...)``.
         Tiny writes ride inline in state only while the inline data there
         stays within ``inline_total_max_bytes`` (which bounds rollups too).
+        A keyed shard's parts are Arrow (see :func:`~.upsert.part_format`).
         """
-        cfg = self._machine.config
+        cfg, state = self._machine.config, self._machine.state()
         return BatchBuilder(
             self._machine.blob,
             self.shard_id,
             self.schema if schema is None else schema,
             cfg,
-            inline_budget=cfg.inline_total_max_bytes - self._machine.state().inline_bytes,
+            inline_budget=cfg.inline_total_max_bytes - state.inline_bytes,
+            part_format=part_format(state),
         )
 
     @traced("WriteHandle.fit_inline")
@@ -222,6 +225,7 @@ class WriteHandle:
         rows read null there), and shard columns the updates lack are null.
         """
         _check_uppers(expected_upper, new_upper)
+        refuse_keyed(self._machine.state(), "compare_and_append() of chosen updates")
         schema = self._write_schema(updates, merge_schema)
         table, has_time = conform_updates(updates, schema, self.shard_id, fill_missing=merge_schema)
         if has_time and table.num_rows:
@@ -290,6 +294,62 @@ class WriteHandle:
             staged_here=False,
         )
 
+    @traced("WriteHandle.upsert")
+    def upsert(
+        self,
+        rows: pa.Table | pa.RecordBatch,
+        *,
+        token: int | None = None,
+        sequence_column: str | None = None,
+        delete_column: str | None = None,
+    ) -> Committed | AlreadyCommitted:
+        """Upsert ``rows`` into a keyed shard: each key's current row (if any) is retracted and
+        its new row inserted, at one commit time; at most one row per key at every time.
+
+        Within ``rows`` the last row of a key wins, or with ``sequence_column``
+        the highest sequence (ties: the later row), within and across writes:
+        a row older than its key's current one (or than its delete) is ignored.
+        ``delete_column`` names a boolean column whose true rows delete their
+        key (it is not stored). Races with other writers are retried against
+        the new state; ``token`` makes a resend apply nothing (see the class doc).
+        Bad keys (missing, another type, null) raise before anything is staged.
+        """
+        return upsert_rows(
+            self._machine,
+            rows,
+            self._upsert_commit(token),
+            sequence=sequence_column,
+            delete_column=delete_column,
+        )
+
+    @traced("WriteHandle.delete")
+    def delete(
+        self,
+        keys: pa.Table | pa.RecordBatch,
+        *,
+        token: int | None = None,
+        sequence_column: str | None = None,
+    ) -> Committed | AlreadyCommitted:
+        """Delete the rows of the keys in ``keys`` (a table of the key columns) from a keyed shard,
+        at one commit time. With ``sequence_column`` (a column of ``keys`` too) a delete older
+        than its key's current row is ignored, and a later upsert older than the delete does
+        not bring the key back (see :meth:`upsert`)."""
+        return delete_keys(self._machine, keys, self._upsert_commit(token), sequence_column)
+
+    def _upsert_commit(self, token: int | None) -> UpsertCommit:
+        """How an upsert commits each attempt: its updates staged, then compare_and_append
+        with one token for every attempt."""
+        writer, tok = self._identity(token)
+
+        def commit(attempt: UpsertAttempt) -> AppendResult:
+            staged = [self._stage(attempt.updates, True, attempt.schema)]
+            args = (attempt.upper, attempt.new_upper, writer, tok, None, True, False, None)
+            return self._append_batches(
+                staged, *args, RunInfo(), staged_here=True, tombstones=attempt.tombstones
+            )
+
+        return commit
+
     def _identity(self, token: int | None) -> tuple[str, int]:
         """Who commits with which token: the caller's under ``writer_id``, else an automatic one.
 
@@ -316,6 +376,7 @@ class WriteHandle:
         info: RunInfo,
         *,
         staged_here: bool,
+        tombstones: tuple[PartRef, ...] = (),
     ) -> AppendResult:
         """compare_and_append_batches as ``writer`` with ``token``.
 
@@ -357,12 +418,13 @@ class WriteHandle:
                 now_ms=self._machine.clock_ms(),
                 replace=replace,
                 schema=schema,
+                tombstones=tombstones,
             )
             if isinstance(outcome, commands.Apply):
                 # Every attempt that will reference the parts checks them (the sweep may take
                 # them while a store blip holds the commit back); a retry answered
                 # AlreadyCommitted must not fail because GC moved on since.
-                check_staged(self._machine, parts)
+                check_staged(self._machine, [*parts, *tombstones])
             return outcome
 
         try:
@@ -370,10 +432,10 @@ class WriteHandle:
         except SchemaMismatch:
             # A merge-schema commit that met a conflicting column can never land: its parts
             # go now (those an attempt with an unknown outcome did or may commit stay).
-            self._give_up(parts, info, staged_here)
+            self._give_up([*parts, *tombstones], info, staged_here)
             raise
         if isinstance(result, UpperMismatch) and delete_on_mismatch:
-            self._give_up(parts, info, staged_here)
+            self._give_up([*parts, *tombstones], info, staged_here)
         return result
 
     def _give_up(self, parts: Sequence[PartRef], info: RunInfo, staged_here: bool) -> None:
@@ -402,8 +464,12 @@ class WriteHandle:
         the same staged parts and the same token (the commit assigns their
         time). Pass ``token`` to make a resend of this write idempotent (see
         the class doc); without it the write always lands once per call.
-        ``merge_schema``: as for :meth:`compare_and_append`.
+        ``merge_schema``: as for :meth:`compare_and_append`. On a keyed shard
+        this is :meth:`upsert`.
         """
+        if self._machine.state().keys and not merge_schema:
+            return self.upsert(updates, token=token)
+        refuse_keyed(self._machine.state(), "append(merge_schema=True)")
         schema = self._write_schema(updates, merge_schema)
         table, has_time = conform_updates(updates, schema, self.shard_id, fill_missing=merge_schema)
         if has_time:
@@ -528,5 +594,5 @@ def unreferenced(machine: Machine, parts: Sequence[PartRef], after_seqno: int = 
     batches = list(start.batches.values())
     for row in rows:
         batches.extend(decode(row.data, where=f"consensus row {start.shard_id!r}").put_batches)
-    referenced = {p.key for b in batches for p in b.parts if p.key is not None}
+    referenced = {p.key for b in batches for p in b.all_parts if p.key is not None}
     return [p for p in keyed if p.key not in referenced]

@@ -326,6 +326,7 @@ KERNEL: dict[str, str] = {
     "state/codec.py": "part bytes encoded and decoded; encoders write only to a sink handed in",
     "state/keys.py": "how a part key is spelled and read back; the caller passes the time",
     "state/updates.py": "a leased part's updates shaped to a read, and consolidated",
+    "state/keyed.py": "key columns checked, one row per key chosen, an upsert's updates built",
     "state/maintenance_policy.py": "what to compact, what GC may delete, where to truncate: "
     "maintenance decided from state, run elsewhere",
 }

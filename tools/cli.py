@@ -428,6 +428,7 @@ def inspect_shard(client: PersistClient, shard: Shard, pubsub: str | None = None
         "blob": client.blob.uri,
         "consensus": client.consensus.uri,
         "schema": [f"{f.name}: {f.type}" for f in shard.schema],
+        "keys": list(state.keys),
         "upper": state.upper,
         "since": state.since,
         "seqno": state.seqno,
@@ -498,6 +499,7 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"location   blob {info['blob']}",
         f"           consensus {info['consensus']}",
         f"schema     {', '.join(info['schema'])}",
+        f"keys       {_keys(info['keys'])}",
         f"upper      {_time(info['upper'])}",
         f"since      {_time(info['since'])}",
         f"retention  {_retention(info['retention_ms'])}",
@@ -644,14 +646,21 @@ def _retention(ms: int) -> str:
     return f"{format_retention(ms)} (since follows the clock, held back by readers)"
 
 
+def _keys(keys: list[str]) -> str:
+    """A shard's key columns as ``inspect`` and ``show`` print them."""
+    return f"{', '.join(keys)} (every write upserts by them)" if keys else "none (unkeyed)"
+
+
 def show(where: Location, name: str, as_of: int | None, limit: int | None) -> dict[str, Any]:
     """The consolidated contents of ``name`` at ``as_of`` (what ``shards show`` prints)."""
     with _shard(where, name) as (_client, shard):
         at, table = read_as_of(shard, as_of)
         retention_ms = shard.machine.state().retention_ms
+        keys = list(shard.machine.state().keys)
     shown = table.slice(0, limit) if limit is not None else table
     return {
         "shard": name,
+        "keys": keys,
         "retention_ms": retention_ms,
         "as_of": at,
         "total_rows": table.num_rows,
@@ -669,6 +678,8 @@ def format_show(result: dict[str, Any]) -> str:
         f"shard {result['shard']!r} as of {_time(result['as_of'])}: {total} distinct "
         f"(row, time) with a non-zero diff{more}"
     )
+    if result["keys"]:
+        lines.append(f"keys {_keys(result['keys'])}")
     if result["retention_ms"]:
         lines.append(f"retention {_retention(result['retention_ms'])}")
     return "\n".join(lines)

@@ -289,3 +289,18 @@ def test_check_honours_blob_and_consensus(capsys: pytest.CaptureFixture[str]) ->
 
 def test_main_module_is_cli() -> None:
     assert cli.main(["--version"]) == 0
+
+
+def test_inspect_and_show_name_a_keyed_shards_keys(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = PersistClient.open(config=PersistConfig(maintenance=False))
+    shard = client.open_shard("customers", pa.schema([("id", pa.int64())]), keys=["id"])
+    shard.writer().upsert(pa.table({"id": [1]}))
+    client.close()
+    _, text, _ = run(capsys, "shards", "inspect", "customers")
+    assert "keys       id (every write upserts by them)" in text
+    _, shown, _ = run(capsys, "shards", "show", "customers", "--json")
+    assert json.loads(shown)["keys"] == ["id"]
+    _, plain, _ = run(capsys, "shards", "inspect", SHARD, "--json")
+    assert json.loads(plain)["keys"] == []

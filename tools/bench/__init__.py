@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, Entry] = {
         "two streaming queries: sink -> source freshness and per-phase costs beside files",
     ),
     "load": Entry("load", "many writers and readers at once"),
+    "upsert": Entry("upsert", "keyed-shard upserts against deltalake's merge; growth to 10x"),
     "all": Entry("report", "every benchmark, one report"),
 }
 """``persist bench NAME`` -> where its ``BENCHMARK`` is, and what it measures."""
