@@ -191,6 +191,10 @@ LIVE_OPS = (
     "listen_events",
     "replace_snapshots",
     "replaces_acked",
+    "keyed_writes_acked",
+    "keyed_writes_abandoned",
+    "keyed_snapshots",
+    "keyed_listen_events",
 )
 """The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
 after it is :attr:`Report.operations_checked`)."""
@@ -575,13 +579,16 @@ class Report:
 
     @property
     def operations_checked(self) -> int:
-        """Writes verified plus snapshots compared plus listen events checked."""
+        """Writes verified plus snapshots compared plus listen events (keyed: commits) checked."""
         return (
             self.ops["writes_checked"]
             + self.ops["snapshots_checked"]
             + self.ops["listen_events"]
             + self.ops["replace_writes_checked"]
             + self.ops["replace_snapshots_checked"]
+            + self.ops["keyed_writes_checked"]
+            + self.ops["keyed_commits_checked"]
+            + self.ops["keyed_snapshots_checked"]
         )
 
     def live_ops(self) -> int:
