@@ -58,7 +58,12 @@ all run), each a named :class:`Piece`:
 - ``replace`` (:class:`Replacer`): a writer and a reader on a second shard:
   every write replaces the shard's contents; snapshots at random ``as_of``
   must show exactly one write, never an older one than was acknowledged by
-  then, and the state must hold only a few part references per replace.
+  then, and the state must hold only a few part references per replace;
+- ``keyed`` (:class:`KeyedShard`): writers racing upserts and deletes of
+  overlapping keys on a keyed shard, a snapshot reader and a listen of it:
+  at most one row per key at every time, and each commit's change is the
+  serial application of its write, in commit (SeqNo) order
+  (:func:`check_keyed`).
 
 What is checked (each failure is a *violation* with details):
 
@@ -2295,7 +2300,9 @@ DESCRIPTION = (
     "listener, compaction and GC run at once against Blob and Consensus wrappers that inject "
     "faults (lost replies, refused calls, timeouts, slowness); then every acknowledged write "
     "must appear exactly once, every snapshot must equal the reference history at its time, "
-    "uppers must only advance and no leased read may hit a deleted part. The location is a "
+    "uppers must only advance and no leased read may hit a deleted part; on a keyed shard, "
+    "racing upserts and deletes must leave one row per key and the serial application of "
+    "the writes in commit order. The location is a "
     "fresh --backend one, or the one --blob and --consensus name (the check's shard, "
     "check-SEED-..., is left there). Exit status 1 on any violation; --seed replays a run."
 )
