@@ -472,3 +472,18 @@ def test_upsert_whose_state_is_stale_after_compaction_and_gc_reads_the_new_parts
     w.upsert(table([2, 3], ["b", "c"]), token=5)
     assert live(shard) == {1: "a3", 2: "b", 3: "c"}
     every_time_one_row_per_key(shard)
+
+
+def test_upsert_raises_part_not_found_for_a_part_of_batches_still_in_state() -> None:
+    """Looking again is only for parts compaction replaced: a part missing from batches the
+    shard still holds is data loss, and the upsert says so instead of writing past it."""
+    in_blob = PersistConfig(maintenance=False, inline_write_max_bytes=1)
+    client = PersistClient(open_blob("mem://"), open_consensus("mem://"), config=in_blob)
+    shard = client.open_shard("k", SCHEMA, keys=["id"])
+    w = shard.writer("w")
+    w.upsert(table([1], ["a"]), token=1)
+    (part,) = [p for b in shard.state().trace for p in b.parts]
+    assert part.key is not None
+    client.blob.delete(part.key)
+    with pytest.raises(PersistError, match="missing from blob"):
+        w.upsert(table([1], ["b"]), token=2)
