@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from .blob import Blob
 from .codec import ARROW, PARQUET, encode_inline, iter_part_batches, part_checksum
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
-from .errors import InvalidUpdates, InvalidUsage
+from .errors import InvalidUpdates, InvalidUsage, PartNotFound
 from .fetch import fetch_part_bytes
 from .keyed import (
     DELETE,
@@ -562,7 +562,17 @@ def run_upsert(
     state = machine.state()
     known: KnownRows | None = None
     while True:
-        known = catch_up(known, state, read)
+        try:
+            known = catch_up(known, state, read)
+        except PartNotFound:
+            # The lookup holds no SeqNo lease: if compaction replaced the batches it read and
+            # GC deleted their parts meanwhile, look again in the new state. A part missing
+            # from batches still in state is real loss: that is raised.
+            current = machine.fetch_latest()
+            if all(current.batches.get(b.key) == b for b in state.trace):
+                raise
+            state, known = current, None
+            continue
         t = max(state.upper, machine.clock_ms())
         found = known.found
         updates, took = plan_upsert(

@@ -83,7 +83,12 @@ all run), each a named :class:`Piece`:
 - ``pushes`` (:class:`PushedListen`): a writer and a listener with PubSub (an
   in-process server) whose transport drops pushes at random
   (:class:`DroppingPublisher`): the listen reads every commit in order,
-  once, within ``PUSH_STALE_S`` of its acknowledgement.
+  once, within ``PUSH_STALE_S`` of its acknowledgement;
+- ``keyed`` (:class:`KeyedShard`): writers racing upserts and deletes of
+  overlapping keys on a keyed shard, a snapshot reader and a listen of it:
+  at most one row per key at every time, and each commit's change is the
+  serial application of its write, in commit (SeqNo) order
+  (:func:`check_keyed`).
 
 The resend, abort and short-grace pieces share :class:`ModelShard`: the
 piece is its shard's one writer, so it knows exactly which writes landed and
@@ -132,6 +137,7 @@ import bisect
 import collections
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import os
 import queue
@@ -241,6 +247,10 @@ LIVE_OPS = (
     "abort_writes_landed",
     "grace_writes_landed",
     "pushed_writes_acked",
+    "keyed_writes_acked",
+    "keyed_writes_abandoned",
+    "keyed_snapshots",
+    "keyed_listen_events",
 )
 """The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
 after it is :attr:`Report.operations_checked`)."""
@@ -375,6 +385,26 @@ def resend_deletes_landed() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def stale_upsert() -> Iterator[None]:
+    """An upsert that does not look again after an UpperMismatch: its retry plans against
+    the rows it read before the race (it retracts a row another writer already replaced,
+    and leaves that writer's row live)."""
+    from unittest import mock
+
+    from pyspark_persist.state import upsert
+
+    real = upsert.catch_up
+
+    def stale(known: Any, state: Any, read: Any) -> Any:
+        if known is None:
+            return real(known, state, read)
+        return upsert.KnownRows(state.upper, known.found)
+
+    with mock.patch.object(upsert, "catch_up", stale):
+        yield
+
+
+@contextlib.contextmanager
 def abort_without_fence() -> Iterator[None]:
     """The sink's abort as before issue 33: delete what no state references *now*, without
     fencing off an attempt still in flight (which may land afterwards)."""
@@ -396,13 +426,16 @@ def check_staged_once() -> Iterator[None]:
     through an outage lands after the sweep took its parts."""
     from unittest import mock
 
-    checked: collections.OrderedDict[int, object] = collections.OrderedDict()
+    checked: collections.OrderedDict[tuple[str | None, ...], None] = collections.OrderedDict()
     real = staged_writes.check_staged
 
     def first_attempt_only(machine: Any, parts: Sequence[Any]) -> None:
-        if id(parts) in checked:  # the same commit's list of parts: a retry
+        # The same parts again: a retry of the same commit (each attempt may build its own
+        # list of them, so the parts' keys tell, not the list).
+        key = tuple(p.key for p in parts)
+        if key in checked:
             return
-        checked[id(parts)] = parts  # kept alive, so its id is not reused
+        checked[key] = None
         while len(checked) > 1000:
             checked.popitem(last=False)
         real(machine, parts)
@@ -455,6 +488,23 @@ def pushes_trusted() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def upsert_without_retraction() -> Iterator[None]:
+    """An upsert that inserts a key's new row but forgets to retract its current one."""
+    from unittest import mock
+
+    from pyspark_persist.state import keyed, upsert
+
+    real = keyed.plan_upsert
+
+    def no_retraction(*args: Any, **kwargs: Any) -> Any:
+        updates, took = real(*args, **kwargs)
+        return updates.filter(pa.compute.greater(updates.column(DIFF), 0)), took
+
+    with mock.patch.object(upsert, "plan_upsert", no_retraction):
+        yield
+
+
 def _lost_replies_reach_caller(config: PersistConfig) -> PersistConfig:
     """The writers' config under ``fresh_tokens``: every lost reply reaches the (buggy) caller."""
     return dataclasses.replace(config, retry_timeout_s=1e-9)
@@ -484,6 +534,10 @@ class Sabotage:
     """A run this long (on mem, 3 writers) catches it (the CI test's budget)."""
     attempts: int = 1
     """Seeds the CI test tries before it calls the bug missed (for timing-dependent bugs)."""
+    faults: tuple[str, ...] | None = None
+    """The fault kinds (:data:`FAULTS`) a run needs to show it (None: all). The CI test runs
+    only these: with every piece sharing two cores, the one that meets the bug gets too few
+    turns in a short run to meet it reliably."""
 
 
 SABOTAGE: dict[str, Sabotage] = {
@@ -515,31 +569,53 @@ SABOTAGE: dict[str, Sabotage] = {
         "attempt references",
         caught_by=("resend: leased snapshot failed", "resend: final", "missing from blob"),
         patch=resend_deletes_landed,
+        faults=("resend",),
     ),
     "abort_without_fence": Sabotage(
         "the sink's abort deletes staged parts no state references yet, while a commit "
         "attempt is still in flight and lands afterwards",
         caught_by=("abort: leased snapshot failed", "abort: final", "missing from blob"),
         patch=abort_without_fence,
+        faults=("abort",),
     ),
     "check_staged_once": Sabotage(
         "a commit checks its staged parts on the first attempt only and retries past half "
         "the grace, so it lands after the orphan sweep took them",
         caught_by=("grace: leased snapshot failed", "grace: final", "missing from blob"),
         patch=check_staged_once,
+        faults=("short-grace",),
+        # Its piece commits a few times a second; on a loaded machine a short run may see
+        # no commit outlast an outage, so it gets more time and seeds.
+        seconds=6.0,
+        attempts=3,
     ),
     "incarnation_ignored": Sabotage(
         "handles and listens of a dropped shard carry on in the shard created again under its name",
         caught_by=("drop:",),
         patch=incarnation_ignored,
+        faults=("drop",),
     ),
     "pushes_trusted": Sabotage(
         "a listen trusts PubSub while it looks healthy and never polls: a lost push hides a "
         "commit until the next push",
         caught_by=("pushed listen:",),
         patch=pushes_trusted,
+        faults=("pushes",),
         seconds=6.0,
         attempts=2,
+    ),
+    "stale_upsert": Sabotage(
+        "an upsert that retries after an UpperMismatch without looking up its keys' rows "
+        "again: it plans against the state before the race",
+        caught_by=("serial application", "two live rows", "multiplicity", "holds key"),
+        patch=stale_upsert,
+        faults=("keyed",),
+    ),
+    "upsert_without_retraction": Sabotage(
+        "an upsert that inserts a key's new row without retracting its current one",
+        caught_by=("two live rows", "holds key", "serial application"),
+        patch=upsert_without_retraction,
+        faults=("keyed",),
     ),
 }
 """Deliberate bugs the checker must detect, by ``--sabotage`` name."""
@@ -709,7 +785,7 @@ class Report:
     @property
     def operations_checked(self) -> int:
         """Writes verified plus snapshots compared plus listen events checked (the main
-        shard's and the fault pieces')."""
+        shard's and the fault pieces'; keyed: commits too)."""
         return (
             self.ops["writes_checked"]
             + self.ops["snapshots_checked"]
@@ -722,6 +798,9 @@ class Report:
             + self.ops["abort_snapshots_checked"]
             + self.ops["grace_snapshots_checked"]
             + self.ops["pushed_writes_checked"]
+            + self.ops["keyed_writes_checked"]
+            + self.ops["keyed_commits_checked"]
+            + self.ops["keyed_snapshots_checked"]
         )
 
     def live_ops(self) -> int:
@@ -2240,6 +2319,39 @@ class DropWrite:
     indeterminate: bool = False
 
 
+KEYED_SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+"""The keyed piece's shard: key ``k``, value ``v`` (unique per row: it names its write)."""
+KEYED_KEYS = 12
+"""Keys 0..11 are shared by every keyed writer (they race on them); key ``-(i + 1)`` is
+keyed writer ``i``'s own marker key."""
+KEYED_WRITERS = 3
+KEYED_INDEX = 700
+"""The write ids of keyed writer ``i`` start at ``(KEYED_INDEX + i) * KEY_PER_WRITER``."""
+ROW_SLOTS = 16
+"""Row ``j`` of write ``w`` has value ``w * ROW_SLOTS + j``; the marker row is the last slot."""
+
+
+@dataclass
+class KeyedWrite:
+    """One upsert (``rows``: key -> value, None deletes) or delete of a keyed writer, and what
+    its writer learned of it.
+
+    Every upsert also upserts its writer's marker key with ``marker`` (a fresh value), so the
+    time it landed at is where that value appears; a delete follows only an acknowledged upsert
+    of its writer and deletes its marker (``marker`` is then that upsert's), so the time it
+    landed at is where the marker disappears with no new one. Either way the write's token
+    leaves a row the listen sees, which settles a write of unknown outcome.
+    """
+
+    writer: int
+    token: int
+    delete: bool
+    rows: dict[int, int | None]
+    marker: int
+    acked: bool = False
+    indeterminate: bool = False
+
+
 class DropRecreate(Piece):
     """A shard of its own with a writer and a listen, dropped (as ``persist shards drop
     --force`` does: its listen holds it) and created again under the same name every second
@@ -2683,6 +2795,319 @@ class DroppingPublisher(GrpcPublisher):
         super()._deliver(topic, seqno, pushed_at_us)
 
 
+class KeyedShard(Piece):
+    """Keyed writers racing upserts and deletes of overlapping keys on a keyed shard of its
+    own, a snapshot reader of it, and a listen of it (the reference history).
+
+    The writers' clients have the store faults: a lost reply makes an upsert
+    ``Indeterminate``; a writer retries with the same token (``AlreadyCommitted``
+    when it landed) or abandons the write. Checked (issue 35, "linearizable"):
+
+    - at most one row per key, with multiplicity 1, in every snapshot (at the
+      reader's held times) and after every time of the listen;
+    - every acknowledged write landed, an unacknowledged one only after an
+      unknown outcome, each at its own time;
+    - the shard's change at each commit time is exactly the serial
+      application of that commit's write to the state the writes before it
+      (in commit order, i.e. SeqNo order: each commit's time is past the
+      previous upper) left, and each snapshot equals that state at its as_of.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "keyed")
+        self.shard_name = ctx.shard_name + "-keyed"
+        self.writes: list[KeyedWrite] = []
+        self.snapshots: list[tuple[int, dict[int, int]]] = []
+        self.changes: dict[int, collections.Counter[tuple[int, int]]] = collections.defaultdict(
+            collections.Counter
+        )
+        """The listen's updates, summed per time: time -> (key, value) -> diff."""
+        self.frontier = 1
+        """How far the listen has read: it follows the times after 0 (an upsert's time is the
+        clock's, so none lands at 0)."""
+        self._lock = threading.Lock()
+
+    def setup(self) -> None:
+        """Create the keyed shard and register the listen's reader before any other (its hold
+        keeps since at 0 until it listens)."""
+        with reliable_client(self.ctx.loc) as setup:
+            setup.open_shard(self.shard_name, KEYED_SCHEMA, keys=["k"])
+        self.ctx.shards.append(self.shard_name)
+        self.listen_client = self.ctx.client("keyed-listener", reader=True)
+        self.listen_reader = self.listen_client.client.open_shard(self.shard_name).reader(
+            "keyed-listener"
+        )
+        self.listen = self.listen_reader.listen(0)
+
+    def loops(self) -> dict[str, Callable[[], None]]:
+        """The keyed writers, the snapshot reader and the listen."""
+        out: dict[str, Callable[[], None]] = {
+            f"keyed-writer-{i}": functools.partial(self.write, i) for i in range(KEYED_WRITERS)
+        }
+        out["keyed-reader"] = self.read
+        out["keyed-listener"] = self.follow
+        return out
+
+    def write(self, index: int) -> None:
+        """Upsert and delete random shared keys until the run stops, retrying with the same
+        token or abandoning after an error."""
+        ctx, rec = self.ctx, self.ctx.rec
+        name = f"keyed-writer-{index}"
+        fc = ctx.client(name)
+        r = random.Random(ctx.seed_for(name))
+        writer = fc.client.open_shard(self.shard_name).writer(name)
+        fc.enable()
+        base = (KEYED_INDEX + index) * KEY_PER_WRITER
+        marker_key = -(index + 1)
+        last: KeyedWrite | None = None
+        token = 0
+        while not ctx.stop.is_set():
+            token += 1
+            shared = r.sample(range(KEYED_KEYS), r.randint(1, 4))
+            if last is not None and last.acked and not last.delete and r.random() < 0.25:
+                w = KeyedWrite(index, token, True, dict.fromkeys(shared), last.marker)
+                w.rows[marker_key] = None
+                data = pa.table({"k": list(w.rows)}, schema=pa.schema([KEYED_SCHEMA.field("k")]))
+            else:
+                value = (base + token) * ROW_SLOTS
+                rows: dict[int, int | None] = {
+                    k: None if r.random() < 0.25 else value + j for j, k in enumerate(shared)
+                }
+                w = KeyedWrite(index, token, False, rows, value + ROW_SLOTS - 1)
+                w.rows[marker_key] = w.marker
+                data = pa.table(
+                    {
+                        "k": list(w.rows),
+                        "v": [0 if v is None else v for v in w.rows.values()],
+                        "del": [v is None for v in w.rows.values()],
+                    }
+                )
+            before = fc.consensus.indeterminate_cas()
+            w.acked = self._commit(writer, w, data, r)
+            w.indeterminate = fc.consensus.indeterminate_cas() > before
+            rec.op("keyed_writes_acked" if w.acked else "keyed_writes_abandoned")
+            with self._lock:
+                self.writes.append(w)
+            last = w
+            if r.random() < 0.1:
+                time.sleep(r.uniform(0, 0.01))
+
+    def _commit(self, writer: Any, w: KeyedWrite, data: pa.Table, r: random.Random) -> bool:
+        """Send ``w`` until acknowledged (True), abandoned after an error or stopped (False)."""
+        rec = self.ctx.rec
+        finish_by = time.monotonic() + FINISH_TIMEOUT_S / 2
+        while not (self.ctx.stop.is_set() and time.monotonic() > finish_by):
+            rec.op("keyed_attempts")
+            try:
+                if w.delete:
+                    res = writer.delete(data, token=w.token)
+                else:
+                    res = writer.upsert(data, token=w.token, delete_column="del")
+            except (Determinate, Indeterminate) as e:
+                rec.op("keyed_errors_" + type(e).__name__)
+                if r.random() < 0.15:
+                    return False
+                continue
+            rec.op("keyed_" + type(res).__name__)
+            return True
+        return False
+
+    def read(self) -> None:
+        """Snapshot the keyed shard at random held times: one row per key, each diff 1."""
+        ctx, rec = self.ctx, self.ctx.rec
+        fc = ctx.client("keyed-reader", reader=True)
+        r = random.Random(ctx.seed_for("keyed-reader"))
+        reader = fc.client.open_shard(self.shard_name).reader("keyed-reader")
+        fc.enable()
+        while not ctx.stop.is_set():
+            try:
+                latest = reader.latest_as_of()
+                as_of = recent_as_of(reader, latest, r, rec) if latest >= 0 else None
+                if as_of is None:
+                    time.sleep(0.005)
+                    continue
+                table = reader.snapshot_table(as_of)
+            except PartNotFound as e:
+                rec.violation(f"keyed-reader: leased snapshot failed: {e}")
+                continue
+            except (Determinate, Indeterminate, InvalidFrontier) as e:
+                # InvalidFrontier: no write landed yet, or a lost downgrade reply landed.
+                rec.op("keyed_snapshot_errors_" + type(e).__name__)
+                time.sleep(0.005)
+                continue
+            rows: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+            for k, v, d in zip(
+                *(table.column(c).to_pylist() for c in ("k", "v", DIFF)), strict=True
+            ):
+                rows[k].append((v, d))
+            for k, kept in rows.items():
+                if len(kept) > 1 or kept[0][1] != 1:
+                    rec.violation(
+                        f"keyed-reader: snapshot as_of {as_of} holds key {k} as (value, diff) "
+                        f"{kept}: one row with diff 1 expected"
+                    )
+            seen = {k: kept[-1][0] for k, kept in rows.items()}
+            with self._lock:
+                self.snapshots.append((as_of, seen))
+            rec.op("keyed_snapshots")
+            time.sleep(r.uniform(0, 0.01))
+        with contextlib.suppress(PersistError):
+            reader.close()
+
+    def follow(self) -> None:
+        """Listen until the run stops (verify reads on to the final upper)."""
+        self.listen_client.enable()
+        r = random.Random(self.ctx.seed_for("keyed-listener"))
+        while not self.ctx.stop.is_set():
+            if self._next(0.1) and r.random() < 0.3 and self.frontier > 1:
+                with contextlib.suppress(Determinate, Indeterminate):
+                    self.listen_reader.downgrade_since(self.frontier - 1)
+
+    def _next(self, timeout_s: float) -> bool:
+        """Take in the listen's next event (False: none, or a store error)."""
+        rec = self.ctx.rec
+        try:
+            event = self.listen.next(timeout_s=timeout_s)
+            if event is None:
+                return False
+            table = self.listen_reader.fetch(event.parts)
+        except PartNotFound as e:
+            rec.violation(f"keyed-listener: leased listen failed: {e}")
+            return False
+        except (Determinate, Indeterminate):
+            rec.op("keyed_listen_errors")
+            return False
+        if event.lower != self.frontier:
+            rec.violation(
+                f"keyed-listener: event [{event.lower}, {event.upper}) after {self.frontier}"
+            )
+        for k, v, t, d in zip(
+            *(table.column(c).to_pylist() for c in ("k", "v", TIME, DIFF)), strict=True
+        ):
+            if not event.lower <= t < event.upper:
+                rec.violation(
+                    f"keyed-listener: update at {t} outside [{event.lower}, {event.upper})"
+                )
+            self.changes[t][(k, v)] += d
+        self.frontier = event.upper
+        rec.op("keyed_listen_events")
+        return True
+
+    def verify(self) -> None:
+        """Read the listen to the final upper, then check the writes against it."""
+        with reliable_client(self.ctx.loc) as check:
+            final_upper = check.open_shard(self.shard_name).state().upper
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while self.frontier < final_upper and time.monotonic() < deadline:
+            self._next(0.5)
+        if self.frontier < final_upper:
+            self.ctx.rec.violation(
+                f"keyed-listener: stuck at {self.frontier}, final upper {final_upper}"
+            )
+            return
+        self.listen.close()
+        with contextlib.suppress(PersistError):
+            self.listen_reader.close()
+        check_keyed(self.writes, self.changes, self.snapshots, self.ctx.rec)
+
+
+def check_keyed(
+    writes: Sequence[KeyedWrite],
+    changes: dict[int, collections.Counter[tuple[int, int]]],
+    snapshots: Sequence[tuple[int, dict[int, int]]],
+    rec: Recorder,
+) -> None:
+    """The keyed writes against the listen's updates (``changes``: time -> (key, value) ->
+    diff) and the snapshots; see :class:`KeyedShard`."""
+    net = {t: {kv: d for kv, d in c.items() if d} for t, c in changes.items()}
+    net = {t: c for t, c in net.items() if c}
+    inserted: dict[int, list[int]] = collections.defaultdict(list)
+    removed: dict[int, int] = {}
+    for t, c in net.items():
+        for (k, v), d in c.items():
+            if k < 0 and d > 0:
+                inserted[v].append(t)
+            elif k < 0 and d < 0:
+                removed[v] = t
+    by_time: dict[int, KeyedWrite] = {}
+    for w in writes:
+        rec.op("keyed_writes_checked")
+        at: int | None
+        if not w.delete:
+            times = inserted.get(w.marker, [])
+            if len(times) > 1:
+                rec.violation(f"keyed: write {w} landed at several times {times}")
+            at = times[0] if times else None
+        else:
+            at = removed.get(w.marker)
+            own = -(w.writer + 1)
+            if at is not None and any(k == own and d > 0 for (k, _), d in net[at].items()):
+                at = None  # the writer's next upsert replaced the marker: the delete did not land
+        if at is None:
+            if w.acked:
+                rec.violation(f"keyed: acknowledged write is lost: {w}")
+            continue
+        if not w.acked and not w.indeterminate:
+            rec.violation(f"keyed: write failed determinately yet landed at {at}: {w}")
+        if not w.acked:
+            rec.op("keyed_unacked_writes_that_landed")
+        if at in by_time:
+            rec.violation(f"keyed: writes {by_time[at]} and {w} both landed at time {at}")
+        by_time[at] = w
+    for t in sorted(set(net) - set(by_time))[:MAX_DETAILS]:
+        rec.violation(f"keyed: the shard changed at time {t} ({net[t]}) where no write landed")
+    # The serial model, in commit order, against the shard's change at each commit time; and
+    # the shard's collection after every time: one row per key, each with multiplicity 1.
+    live: collections.Counter[tuple[int, int]] = collections.Counter()
+    model: dict[int, int] = {}
+    states: list[tuple[int, dict[int, int]]] = [(-1, {})]
+    for t in sorted(set(net) | set(by_time)):
+        got = net.get(t, {})
+        for kv, d in got.items():
+            live[kv] += d
+            if live[kv] not in (0, 1):
+                rec.violation(f"keyed: row {kv} has multiplicity {live[kv]} at time {t}")
+            if not live[kv]:
+                del live[kv]
+        per_key = collections.Counter(key for key, _ in live)
+        for key in {key for key, _ in got}:
+            if per_key[key] > 1:
+                rows = sorted(kv for kv in live if kv[0] == key)
+                rec.violation(f"keyed: two live rows of key {key} at time {t}: {rows}")
+        write = by_time.get(t)
+        if write is None:
+            continue
+        want: collections.Counter[tuple[int, int]] = collections.Counter()
+        for key, value in write.rows.items():
+            cur = model.get(key)
+            if cur == value:
+                continue
+            if cur is not None:
+                want[(key, cur)] -= 1
+                del model[key]
+            if value is not None:
+                want[(key, value)] += 1
+                model[key] = value
+        if dict(want) != got:
+            rec.violation(
+                f"keyed: at time {t} the shard changed by {sorted(got.items())}, the serial "
+                f"application of write {write} gives {sorted(want.items())}"
+            )
+        states.append((t, model))
+        rec.op("keyed_commits_checked")
+        # Go on from what the shard holds, so one wrong commit is reported once.
+        model = dict(live.keys())  # (key, value) pairs: one per key, else reported above
+    times = [t for t, _ in states]
+    for as_of, seen in snapshots:
+        want_state = states[bisect.bisect_right(times, as_of) - 1][1]
+        rec.op("keyed_snapshots_checked")
+        if seen != want_state:
+            rec.violation(
+                f"keyed: snapshot as_of {as_of} holds {sorted(seen.items())}, the serial "
+                f"application of the writes up to it gives {sorted(want_state.items())}"
+            )
+
+
 FAULTS: dict[str, Callable[[Context], Piece]] = {
     "maintenance": Maintainer,
     "slow-writer": SlowWriter,
@@ -2692,6 +3117,7 @@ FAULTS: dict[str, Callable[[Context], Piece]] = {
     "abort": SinkAborter,
     "short-grace": ShortGrace,
     "pushes": PushedListen,
+    "keyed": KeyedShard,
 }
 """The fault menu: each entry builds one named piece of the run (``--faults`` picks)."""
 
@@ -2941,7 +3367,9 @@ DESCRIPTION = (
     "outages, lost PubSub pushes) run at once against Blob and Consensus wrappers that inject "
     "faults (lost replies, refused calls, timeouts, slowness); then every acknowledged write "
     "must appear exactly once, every snapshot must equal the reference history at its time, "
-    "uppers must only advance and no leased read may hit a deleted part. The location is a "
+    "uppers must only advance and no leased read may hit a deleted part; on a keyed shard, "
+    "racing upserts and deletes must leave one row per key and the serial application of "
+    "the writes in commit order. The location is a "
     "fresh --backend one, or the one --blob and --consensus name (the check's shard, "
     "check-SEED-..., is left there). Exit status 1 on any violation; --seed replays a run."
 )

@@ -451,3 +451,39 @@ def test_compaction_folds_a_key_updated_a_thousand_times_into_one_row() -> None:
         kept = {m.key for m in c.blob.list_keys("hot/part/")}
         assert kept == {p.key for b in state.trace for p in b.parts if p.key is not None}
         assert live(shard) == {1: "v999", 2: "other"}
+
+
+def test_upsert_whose_state_is_stale_after_compaction_and_gc_reads_the_new_parts() -> None:
+    """A writer whose cached state names parts that another client compacted away and GC
+    deleted still upserts: it reads the new state and looks again (the lookup holds no
+    SeqNo lease, as compaction's merge holds none). It once raised PartNotFound, which the
+    checker's keyed piece found under its maintenance."""
+    blob, consensus = open_blob("mem://"), open_consensus("mem://")
+    in_blob = PersistConfig(maintenance=False, inline_write_max_bytes=1, compaction_fan_in=2)
+    writer_client = PersistClient(blob, consensus, config=in_blob, cache=StateCache())
+    other = PersistClient(blob, consensus, config=in_blob, cache=StateCache())
+    shard = writer_client.open_shard("k", SCHEMA, keys=["id"])
+    w = shard.writer("w")
+    for i in range(4):
+        w.upsert(table([1, 2], [f"a{i}", f"b{i}"]), token=i + 1)
+    compacted = other.open_shard("k")
+    compacted.compact()
+    assert compacted.gc().parts_deleted > 0  # the writer's cached state names deleted parts
+    w.upsert(table([2, 3], ["b", "c"]), token=5)
+    assert live(shard) == {1: "a3", 2: "b", 3: "c"}
+    every_time_one_row_per_key(shard)
+
+
+def test_upsert_raises_part_not_found_for_a_part_of_batches_still_in_state() -> None:
+    """Looking again is only for parts compaction replaced: a part missing from batches the
+    shard still holds is data loss, and the upsert says so instead of writing past it."""
+    in_blob = PersistConfig(maintenance=False, inline_write_max_bytes=1)
+    client = PersistClient(open_blob("mem://"), open_consensus("mem://"), config=in_blob)
+    shard = client.open_shard("k", SCHEMA, keys=["id"])
+    w = shard.writer("w")
+    w.upsert(table([1], ["a"]), token=1)
+    (part,) = [p for b in shard.state().trace for p in b.parts]
+    assert part.key is not None
+    client.blob.delete(part.key)
+    with pytest.raises(PersistError, match="missing from blob"):
+        w.upsert(table([1], ["b"]), token=2)

@@ -8,6 +8,7 @@ reports violations. Longer runs: ``python -m pyspark_persist.tools.checker
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -37,7 +38,8 @@ def _assert_clean(report: checker.Report) -> None:
 def test_checker_mem(tmp_path: Path) -> None:
     """Threads on mem/mem: no violation, faults injected, operations checked, and every
     fault kind of issue 33 at work: drops under load, resends after Indeterminate, aborts
-    with an attempt in flight, commits meeting the sweep on a short grace, lost pushes."""
+    with an attempt in flight, commits meeting the sweep on a short grace, lost pushes; and
+    the keyed piece's upserts."""
     report = checker.run(seed=101, duration_s=BUDGET_S, writers=4, backend="mem")
     _assert_clean(report)
     ops = report.ops
@@ -46,6 +48,7 @@ def test_checker_mem(tmp_path: Path) -> None:
     assert ops["abort_aborts"] and ops["abort_snapshots_checked"]
     assert ops["grace_writes_landed"] and ops["grace_orphans_swept"]
     assert ops["pushed_writes_checked"] and ops["pushes_dropped"]
+    assert ops["keyed_commits_checked"] and ops["keyed_snapshots_checked"]
 
 
 @pytest.mark.slow
@@ -68,13 +71,18 @@ def test_checker_file_sqlite_with_processes(tmp_path: Path) -> None:
 def test_checker_detects_bugs(sabotage: str) -> None:
     """A checker that cannot fail proves nothing: deliberate bugs are reported as violations.
 
-    Each bug gets its menu entry's budget and seeds (a timing-dependent one gets several,
-    each on its own seed, and must be caught by one of them).
+    Each bug gets its menu entry's budget, seeds and fault kinds (a timing-dependent one gets
+    several seeds, each a run of its own, and must be caught in one of them).
     """
     entry = checker.SABOTAGE[sabotage]
     for seed in range(303, 303 + entry.attempts):
         report = checker.run(
-            seed=seed, duration_s=entry.seconds, writers=3, backend="mem", sabotage=sabotage
+            seed=seed,
+            duration_s=entry.seconds,
+            writers=3,
+            backend="mem",
+            sabotage=sabotage,
+            faults=entry.faults,
         )
         print(report.render())
         if not report.ok:
@@ -210,3 +218,55 @@ def test_write_verification_ties_each_retraction_to_its_write() -> None:
     assert "write 1 retracted at time 3, where write 3 landed" in text
     assert "acknowledged write 4 is lost" in text
     assert report.violation_count == 3 and report.ops["writes_checked"] == 4
+
+
+def _keyed_changes(
+    *updates: tuple[int, int, int, int],
+) -> dict[int, collections.Counter[tuple[int, int]]]:
+    """The keyed listen's updates ((time, key, value, diff)) summed per time."""
+    out: dict[int, collections.Counter[tuple[int, int]]] = collections.defaultdict(
+        collections.Counter
+    )
+    for t, k, v, d in updates:
+        out[t][(k, v)] += d
+    return out
+
+
+def test_keyed_check_applies_the_landed_writes_serially_in_commit_order() -> None:
+    """Writes settle by their marker rows (a delete: its writer's marker gone with no new
+    one); the shard's change at each commit time must be its write applied to the state
+    before it; snapshots must equal that state at their as_of. A commit that keeps a
+    key's old row, a lost acknowledged write and a stale snapshot are violations."""
+    up = checker.KeyedWrite
+    writes = [
+        up(0, 1, False, {1: 100, -1: 115}, 115, acked=True),
+        up(1, 1, False, {1: 200, 2: None, -2: 215}, 215, acked=True),
+        up(0, 2, True, {1: None, -1: None}, 115, acked=False, indeterminate=True),
+        up(1, 2, False, {2: 300, -2: 315}, 315, acked=False, indeterminate=True),
+    ]
+    good = _keyed_changes(
+        (10, 1, 100, 1), (10, -1, 115, 1),
+        (20, 1, 100, -1), (20, 1, 200, 1), (20, -2, 215, 1),
+        (30, 1, 200, -1), (30, -1, 115, -1),
+    )  # fmt: skip
+    report = checker.Report(seed=0, backend="mem")
+    snapshots = [(15, {1: 100, -1: 115}), (29, {1: 200, -1: 115, -2: 215}), (40, {-2: 215})]
+    checker.check_keyed(writes, good, snapshots, checker.Recorder(report))
+    assert report.ok, report.violations
+    assert report.ops["keyed_commits_checked"] == 3
+    assert report.ops["keyed_unacked_writes_that_landed"] == 1  # the delete; 1/2 did not land
+
+    bad = _keyed_changes(
+        (10, 1, 100, 1), (10, -1, 115, 1),
+        (20, 1, 200, 1), (20, -2, 215, 1),  # the retraction of (1, 100) is missing
+    )  # fmt: skip
+    report = checker.Report(seed=0, backend="mem")
+    checker.check_keyed(writes[:2], bad, [(25, {1: 100, -1: 115})], checker.Recorder(report))
+    text = "\n".join(report.violations)
+    assert "two live rows of key 1 at time 20" in text
+    assert "at time 20 the shard changed by" in text and "serial application" in text
+    assert "snapshot as_of 25" in text
+
+    report = checker.Report(seed=0, backend="mem")
+    checker.check_keyed(writes[:1], _keyed_changes(), [], checker.Recorder(report))
+    assert "acknowledged write is lost" in "\n".join(report.violations)
