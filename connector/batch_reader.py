@@ -2,7 +2,10 @@
 
 With ``readChanges`` (Delta's ``readChangeFeed``) it is instead every update
 in a time range ``[start, end)``, each with its own ``_time`` and ``_diff``,
-nothing consolidated away (see :mod:`pyspark_persist.state.changes`).
+nothing consolidated away (see :mod:`pyspark_persist.state.changes`). With
+``changeTypes`` too, on a keyed shard, the splits are merged so that one
+task reads every part of a time, and pairs its updates by key
+(:mod:`pyspark_persist.change_types`).
 
 Each output row carries its multiplicity in ``_diff`` and ``_time = asOf``.
 When no part holds a retraction (append-only data, and the common case after
@@ -56,6 +59,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from pyspark_persist.change_types import CHANGE_TYPE, colocate_times, label_changes
 from pyspark_persist.options import (
     AS_OF,
     ENDING_SEQNO,
@@ -90,8 +94,14 @@ log = logging.getLogger(__name__)
 class BatchPartition(PersistInputPartition):
     """A read task of a batch read, with the lease that holds its parts (see the module doc)."""
 
-    def __init__(self, blob_uri: str, parts: Sequence[LeasedPart], lease: BatchLease) -> None:
-        super().__init__(blob_uri, parts)
+    def __init__(
+        self,
+        blob_uri: str,
+        parts: Sequence[LeasedPart],
+        lease: BatchLease,
+        change_keys: tuple[str, ...] | None = None,
+    ) -> None:
+        super().__init__(blob_uri, parts, change_keys)
         self.lease = lease
 
 
@@ -219,9 +229,11 @@ class PersistBatchReader(DataSourceReader):
         if filters:
             log.debug("persist: %s parts left after the pushed filters", len(plan.parts))
         lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
+        # A snapshot (consolidated) has only insertions: labelled by sign, nothing to pair.
+        labels = () if self._opts.change_types else None
         if plan.may_retract:
-            return [ConsolidatingPartition(client.blob.uri, plan.parts, lease)]
-        return [BatchPartition(client.blob.uri, s, lease) for s in plan.splits]
+            return [ConsolidatingPartition(client.blob.uri, plan.parts, lease, labels)]
+        return [BatchPartition(client.blob.uri, s, lease, labels) for s in plan.splits]
 
     def _split_limits(self) -> ReadLimits:
         """Split by splitSizeBytes, over at least minPartitions tasks."""
@@ -260,7 +272,9 @@ class PersistBatchReader(DataSourceReader):
         check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
         plan = plan_read(state, blob_uri, lower=lower, upper=upper, limits=self._split_limits())
         lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
-        return [BatchPartition(blob_uri, s, lease) for s in plan.splits]
+        keys = state.keys if opts.change_types else None
+        splits = colocate_times(plan.splits) if keys else plan.splits
+        return [BatchPartition(blob_uri, s, lease, keys) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Stream one task's parts as Arrow batches (executor)."""
@@ -277,16 +291,19 @@ class PersistBatchReader(DataSourceReader):
             return
         freeze_worker_heap()
         target = output_arrow_schema(self._schema)
+        rows = pa.schema([f for f in target if f.name != CHANGE_TYPE])
         keeper = _LeaseKeeper(self._opts, partition.lease)
         keeper.beat()
-        row_columns = [n for n in target.names if n not in ("_time", "_diff")]
+        row_columns = [n for n in rows.names if n not in ("_time", "_diff")]
         parts = []
         for table in iter_parts(blob_for(partition.blob_uri), partition.leased_parts()):
             keeper.beat()
-            parts.append(conform_columns(table, target).cast(target))
+            parts.append(conform_columns(table, rows).cast(rows))
         if parts:
-            table = consolidate(pa.concat_tables(parts), row_columns)
-            yield from table.select(target.names).cast(target).to_batches()
+            table = consolidate(pa.concat_tables(parts), row_columns).select(rows.names)
+            if partition.change_keys is not None:
+                table = label_changes(table, partition.change_keys)
+            yield from table.cast(target).to_batches()
 
 
 class PersistPushdownBatchReader(PersistBatchReader):

@@ -3,25 +3,59 @@
 A shard created by the sink stores the DataFrame's columns (as Spark's own
 Arrow conversion gives them, every field nullable so a query whose
 nullability differs still matches); reads add ``_time`` and ``_diff``, both
-``long`` (Spark has no unsigned type; times are milliseconds, far below 2^63).
+``long`` (Spark has no unsigned type; times are milliseconds, far below 2^63),
+and with ``changeTypes`` a string ``_change_type`` (see :mod:`.change_types`).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
-from pyspark.sql.types import LongType, StructField, StructType
+from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from pyspark_persist.state import DIFF, TIME, evolve_schema
 from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
 
 
-def read_schema(shard_schema: pa.Schema) -> StructType:
-    """The Spark schema of a read: the shard's columns, then ``_time`` and ``_diff``."""
+def read_schema(shard_schema: pa.Schema, change_types: bool = False) -> StructType:
+    """The Spark schema of a read: the shard's columns, then ``_time`` and ``_diff`` (and
+    ``_change_type`` with ``changeTypes``)."""
+    from pyspark_persist.change_types import CHANGE_TYPE
+
     fields = list(from_arrow_schema(shard_schema).fields)
-    return StructType(
-        [*fields, StructField(TIME, LongType(), False), StructField(DIFF, LongType(), False)]
-    )
+    fields += [StructField(TIME, LongType(), False), StructField(DIFF, LongType(), False)]
+    if change_types:
+        if CHANGE_TYPE in shard_schema.names:
+            raise InvalidUsage(
+                f"persist: the shard has a column named {CHANGE_TYPE}, which changeTypes would "
+                "add: read without changeTypes, or rename the column"
+            )
+        fields.append(StructField(CHANGE_TYPE, StringType(), False))
+    return StructType(fields)
+
+
+def check_change_type_column(schema: StructType, change_types: bool) -> None:
+    """A read's schema (the user's, if given one) has ``_change_type`` exactly when the read
+    has ``changeTypes``: Spark would otherwise fail on the first batch, far from the cause."""
+    from pyspark_persist.change_types import CHANGE_TYPE
+
+    has = CHANGE_TYPE in schema.fieldNames()
+    if change_types and not has:
+        raise InvalidUsage(
+            f"persist: changeTypes adds a {CHANGE_TYPE} column, but the read's schema lacks it: "
+            f"add {CHANGE_TYPE} STRING NOT NULL to the schema given to .schema(...), or drop "
+            "the schema to read the shard's own"
+        )
+    if has and not change_types:
+        raise InvalidUsage(
+            f"persist: the read's schema has a {CHANGE_TYPE} column, which only "
+            '.option("changeTypes", "true") fills: add that option, or drop the column'
+        )
+    if has and not isinstance(schema[CHANGE_TYPE].dataType, StringType):
+        raise InvalidUsage(
+            f"persist: {CHANGE_TYPE} is a string column, the read's schema gives it "
+            f"{schema[CHANGE_TYPE].dataType.simpleString()}: declare it STRING"
+        )
 
 
 def output_arrow_schema(schema: StructType) -> pa.Schema:

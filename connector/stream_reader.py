@@ -40,6 +40,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from pyspark_persist import offsets
+from pyspark_persist.change_types import CHANGE_TYPE, colocate_times, label_changes
 from pyspark_persist.offsets import Gap, MicroBatch, Offset, Start, Starting
 from pyspark_persist.options import (
     STARTING_AS_OF,
@@ -80,10 +81,18 @@ Spark's polling delay between triggers that found nothing)."""
 class PersistInputPartition(InputPartition):
     """One read task: leased parts (as JSON) and the Blob URI their bytes live under."""
 
-    def __init__(self, blob_uri: str, parts: Sequence[LeasedPart]) -> None:
+    def __init__(
+        self,
+        blob_uri: str,
+        parts: Sequence[LeasedPart],
+        change_keys: tuple[str, ...] | None = None,
+    ) -> None:
+        """``change_keys``: with changeTypes, the keys to pair updates by (``()``: unkeyed,
+        label by sign); None without."""
         super().__init__(None)
         self.blob_uri = blob_uri
         self.parts = tuple(json.dumps(p.to_json()) for p in parts)
+        self.change_keys = change_keys
 
     def leased_parts(self) -> list[LeasedPart]:
         """The parts to read, decoded."""
@@ -366,7 +375,10 @@ class LeaseHolder:
         else:
             splits = self._listen_splits(state, batch)
         blob_uri = self._client.blob.uri
-        return [PersistInputPartition(blob_uri, s) for s in splits]
+        keys = state.keys if self._opts.change_types else None
+        if keys:  # a task pairs the updates of a key at a time: it must read all of them
+            splits = tuple(colocate_times(splits))
+        return [PersistInputPartition(blob_uri, s, keys) for s in splits]
 
     def _split_limits(self) -> ReadLimits:
         """Split by splitSizeBytes, over at least minPartitions tasks."""
@@ -530,12 +542,34 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 def read_partition(
     partition: PersistInputPartition, schema: StructType
 ) -> Iterator[pa.RecordBatch]:
-    """Fetch a partition's parts (the next one while emitting the current) as Arrow batches."""
+    """Fetch a partition's parts (the next one while emitting the current) as Arrow batches.
+
+    With changeTypes, each labelled: part by part on an unkeyed shard; on a
+    keyed one the whole task at once, its updates paired by key and time
+    (the planner gave the task every part of its times: ``colocate_times``).
+    """
     from pyspark_persist.schema import output_arrow_schema
 
     freeze_worker_heap()
 
     target = output_arrow_schema(schema)
+    keys = partition.change_keys
+    if keys is None:
+        for table in _read_tables(partition, target):
+            yield from table.to_batches()
+        return
+    rows = pa.schema([f for f in target if f.name != CHANGE_TYPE])
+    if not keys:
+        for table in _read_tables(partition, rows):
+            yield from label_changes(table, keys).cast(target).to_batches()
+        return
+    tables = list(_read_tables(partition, rows))
+    if tables:
+        yield from label_changes(pa.concat_tables(tables), keys).cast(target).to_batches()
+
+
+def _read_tables(partition: PersistInputPartition, target: pa.Schema) -> Iterator[pa.Table]:
+    """The partition's parts as tables in ``target`` (empty ones skipped)."""
     parts = partition.leased_parts()
     time_type = target.field(TIME).type
     for table in iter_parts(blob_for(partition.blob_uri), parts, time_type=time_type):
@@ -544,4 +578,4 @@ def read_partition(
         if not table.schema.equals(target):  # usually equal: the stored types are Spark's
             # A part written before a column was added reads null there.
             table = conform_columns(table, target).cast(target)
-        yield from table.to_batches()
+        yield table
