@@ -348,7 +348,7 @@ OPTIONS: tuple[OptionName, ...] = (
             "shard an update's retraction and insertion of a key at one time are "
             "`update_preimage` and `update_postimage`, an insertion alone `insert`, a retraction "
             "alone `delete`; on an unkeyed shard `+` rows are `insert` and `-` rows `delete` "
-            '(see [Change types](#change-types)), e.g. `.option("changeTypes", "true")`',
+            '(see [Change types](spark.md#change-types)), e.g. `.option("changeTypes", "true")`',
         ),
     ),
     OptionName(
