@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from pyspark_persist.change_types import CHANGE_TYPE, colocate_times, label_changes
 from pyspark_persist.state import LeasedPart, PartRef
@@ -125,3 +126,31 @@ def test_colocate_times_joins_the_splits_of_one_commit_and_of_overlapping_compac
 def test_colocate_times_puts_a_snapshots_parts_together_since_all_read_at_as_of() -> None:
     splits = [(_part("a", 1, 1, as_of=9),), (_part("b", 4, 4, as_of=9),), ()]
     assert _names(colocate_times(splits)) == [["a", "b"]]
+
+
+def test_bad_combinations_are_refused_naming_the_fix() -> None:
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from pyspark_persist.options import PersistOptions
+    from pyspark_persist.schema import check_change_type_column, read_schema
+    from pyspark_persist.state.errors import InvalidUsage
+
+    base = [StructField("id", LongType()), StructField("_time", LongType())]
+    with pytest.raises(InvalidUsage, match=r"lacks it: add _change_type STRING NOT NULL"):
+        check_change_type_column(StructType(base), change_types=True)
+    labelled = StructType([*base, StructField(CHANGE_TYPE, StringType())])
+    with pytest.raises(InvalidUsage, match=r'only .option\("changeTypes", "true"\) fills'):
+        check_change_type_column(labelled, change_types=False)
+    with pytest.raises(InvalidUsage, match="declare it STRING"):
+        check_change_type_column(
+            StructType([*base, StructField(CHANGE_TYPE, LongType())]), change_types=True
+        )
+    check_change_type_column(labelled, change_types=True)
+    clash = pa.schema([("id", pa.int64()), (CHANGE_TYPE, pa.string())])
+    with pytest.raises(InvalidUsage, match="has a column named _change_type"):
+        read_schema(clash, change_types=True)
+    assert read_schema(clash).fieldNames() == ["id", CHANGE_TYPE, "_time", "_diff"]
+    with pytest.raises(InvalidUsage, match="history reads the shard's commits, so changeTypes"):
+        PersistOptions.parse({"path": "s", "history": "true", "changeTypes": "true"}, "read")
+    with pytest.raises(InvalidUsage, match="changeTypes applies to"):
+        PersistOptions.parse({"path": "s", "changeTypes": "true"}, "write")
