@@ -59,7 +59,12 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from pyspark_persist.change_types import CHANGE_TYPE, colocate_times, label_changes
+from pyspark_persist.change_types import (
+    CHANGE_TYPE,
+    colocate_times,
+    label_changes,
+    pairing_keys,
+)
 from pyspark_persist.options import (
     AS_OF,
     ENDING_SEQNO,
@@ -272,7 +277,7 @@ class PersistBatchReader(DataSourceReader):
         check_change_range(state, lower, upper, f"persist: {opts.spelled(READ_CHANGES)}")
         plan = plan_read(state, blob_uri, lower=lower, upper=upper, limits=self._split_limits())
         lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
-        keys = state.keys if opts.change_types else None
+        keys = pairing_keys(state.keys, plan.splits) if opts.change_types else None
         splits = colocate_times(plan.splits) if keys else plan.splits
         return [BatchPartition(blob_uri, s, lease, keys) for s in splits]
 

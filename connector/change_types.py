@@ -72,6 +72,19 @@ def label_changes(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     return out.sort_by([(TIME, "ascending")])
 
 
+def pairing_keys(keys: Sequence[str], splits: Sequence[Sequence[LeasedPart]]) -> tuple[str, ...]:
+    """The keys a read's tasks must pair by: ``keys``, unless no part may hold a retraction.
+
+    Without retractions every update is an insert whatever the key, so the
+    read labels by sign and keeps its splits (a keyed shard's first load, an
+    append-only range) instead of merging them and holding each task in memory.
+    """
+    parts = (p.part for split in splits for p in split)
+    if any((p.effective_dmin or -1) <= 0 for p in parts):  # unknown bounds count as may
+        return tuple(keys)
+    return ()
+
+
 def colocate_times(splits: Sequence[Sequence[LeasedPart]]) -> list[tuple[LeasedPart, ...]]:
     """``splits`` merged so that parts whose read times may overlap share a split.
 

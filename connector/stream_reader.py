@@ -40,7 +40,12 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from pyspark_persist import offsets
-from pyspark_persist.change_types import CHANGE_TYPE, colocate_times, label_changes
+from pyspark_persist.change_types import (
+    CHANGE_TYPE,
+    colocate_times,
+    label_changes,
+    pairing_keys,
+)
 from pyspark_persist.offsets import Gap, MicroBatch, Offset, Start, Starting
 from pyspark_persist.options import (
     STARTING_AS_OF,
@@ -375,7 +380,7 @@ class LeaseHolder:
         else:
             splits = self._listen_splits(state, batch)
         blob_uri = self._client.blob.uri
-        keys = state.keys if self._opts.change_types else None
+        keys = pairing_keys(state.keys, splits) if self._opts.change_types else None
         if keys:  # a task pairs the updates of a key at a time: it must read all of them
             splits = tuple(colocate_times(splits))
         return [PersistInputPartition(blob_uri, s, keys) for s in splits]

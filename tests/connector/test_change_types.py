@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from pyspark_persist.change_types import CHANGE_TYPE, colocate_times, label_changes
+from pyspark_persist.change_types import CHANGE_TYPE, colocate_times, label_changes, pairing_keys
 from pyspark_persist.state import LeasedPart, PartRef
 
 
@@ -154,3 +154,13 @@ def test_bad_combinations_are_refused_naming_the_fix() -> None:
         PersistOptions.parse({"path": "s", "history": "true", "changeTypes": "true"}, "read")
     with pytest.raises(InvalidUsage, match="changeTypes applies to"):
         PersistOptions.parse({"path": "s", "changeTypes": "true"}, "write")
+
+
+def test_a_read_without_retractions_keeps_its_splits_and_labels_by_sign() -> None:
+    def part(dmin: int | None) -> LeasedPart:
+        ref = PartRef(key="p", inline=None, size_bytes=1, rows=1, min_time=1, max_time=1, dmin=dmin)
+        return LeasedPart("s", "mem://", ref, 0, 100, None, 1)
+
+    assert pairing_keys(["id"], [(part(1),), (part(1),)]) == ()
+    assert pairing_keys(["id"], [(part(1),), (part(-1),)]) == ("id",)
+    assert pairing_keys(["id"], [(part(None),)]) == ("id",)  # unknown bounds: may retract
