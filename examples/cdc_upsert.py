@@ -239,14 +239,8 @@ def main() -> int:
     stop(tail)
     shutil.rmtree(feed_dir)
 
-    shard = (
-        spark.read.format("persist")
-        .load(args.shard)
-        .select(*COLUMNS)
-        .toPandas()
-        .sort_values("id")
-        .reset_index(drop=True)
-    )
+    stored: pd.DataFrame = spark.read.format("persist").load(args.shard).select(*COLUMNS).toPandas()
+    shard = stored.sort_values("id").reset_index(drop=True)
     expected = apply_with_pandas(deliveries)
     with lock:
         tailed = sorted(k for k, n in view.items() for _ in range(n))
