@@ -2,7 +2,10 @@
 
 With ``readChanges`` (Delta's ``readChangeFeed``) it is instead every update
 in a time range ``[start, end)``, each with its own ``_time`` and ``_diff``,
-nothing consolidated away (see :mod:`pyspark_persist.state.changes`).
+nothing consolidated away (see :mod:`pyspark_persist.state.changes`). With
+``changeTypes`` too, on a keyed shard, the splits are merged so that one
+task reads every part of a time, and pairs its updates by key
+(:mod:`pyspark_persist.change_types`).
 
 Each output row carries its multiplicity in ``_diff`` and ``_time = asOf``.
 When no part holds a retraction (append-only data, and the common case after
@@ -56,6 +59,12 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from pyspark_persist.change_types import (
+    CHANGE_TYPE,
+    colocate_times,
+    label_changes,
+    pairing_keys,
+)
 from pyspark_persist.options import (
     AS_OF,
     ENDING_SEQNO,
@@ -97,8 +106,14 @@ log = logging.getLogger(__name__)
 class BatchPartition(PersistInputPartition):
     """A read task of a batch read, with the lease that holds its parts (see the module doc)."""
 
-    def __init__(self, blob_uri: str, parts: Sequence[LeasedPart], lease: BatchLease) -> None:
-        super().__init__(blob_uri, parts)
+    def __init__(
+        self,
+        blob_uri: str,
+        parts: Sequence[LeasedPart],
+        lease: BatchLease,
+        change_keys: tuple[str, ...] | None = None,
+    ) -> None:
+        super().__init__(blob_uri, parts, change_keys)
         self.lease = lease
 
 
@@ -111,9 +126,14 @@ class ConsolidatingPartition(BatchPartition):
     """
 
     def __init__(
-        self, blob_uri: str, parts: Sequence[LeasedPart], lease: BatchLease, row_schema: pa.Schema
+        self,
+        blob_uri: str,
+        parts: Sequence[LeasedPart],
+        lease: BatchLease,
+        row_schema: pa.Schema,
+        change_keys: tuple[str, ...] | None = None,
     ) -> None:
-        super().__init__(blob_uri, parts, lease)
+        super().__init__(blob_uri, parts, lease, change_keys)
         self.row_schema = row_schema
 
 
@@ -218,12 +238,14 @@ class PersistBatchReader(DataSourceReader):
 
     def partitions(self) -> Sequence[InputPartition]:
         """Lease the snapshot at ``asOf`` and split it (driver)."""
-        from pyspark_persist.schema import read_columns, read_share
+        from pyspark_persist.schema import check_change_columns, read_columns, read_share
 
         client = client_for(self._opts)
         shard = client.open_shard(self._opts.shard, create=False)
         names = read_columns(shard.schema, self._schema, self._opts.shard, self._opts.columns)
         self._share = read_share(shard.schema, names)
+        if self._opts.change_types:
+            check_change_columns(self._schema, shard.machine.state().keys, self._opts.shard)
         # The driver does not heartbeat: Spark tells a batch reader nothing when its tasks
         # finish. The tasks heartbeat the lease while they run (BatchLease), and once they are
         # done it runs out after leaseSeconds (default reader_lease_s).
@@ -243,10 +265,14 @@ class PersistBatchReader(DataSourceReader):
         if filters:
             log.debug("persist: %s parts left after the pushed filters", len(plan.parts))
         lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
+        # A snapshot (consolidated) has only insertions: labelled by sign, nothing to pair.
+        labels = () if self._opts.change_types else None
         if plan.may_retract:
             # The newest schema this process knows covers every part of the plan's state.
-            return [ConsolidatingPartition(client.blob.uri, plan.parts, lease, shard.schema)]
-        return [BatchPartition(client.blob.uri, s, lease) for s in plan.splits]
+            return [
+                ConsolidatingPartition(client.blob.uri, plan.parts, lease, shard.schema, labels)
+            ]
+        return [BatchPartition(client.blob.uri, s, lease, labels) for s in plan.splits]
 
     def _split_limits(self) -> ReadLimits:
         """Split by splitSizeBytes of what the read takes of each part (all of its bytes, or
@@ -289,7 +315,9 @@ class PersistBatchReader(DataSourceReader):
         plan = plan_read(state, blob_uri, lower=lower, upper=upper, limits=self._split_limits())
         check_diffs_shown(self._schema, plan.parts, opts.shard)
         lease = BatchLease(reader.reader_id, plan.seqno, lease_ms, planned_ms, state.incarnation)
-        return [BatchPartition(blob_uri, s, lease) for s in plan.splits]
+        keys = pairing_keys(state.keys, plan.splits) if opts.change_types else None
+        splits = colocate_times(plan.splits) if keys else plan.splits
+        return [BatchPartition(blob_uri, s, lease, keys) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Stream one task's parts as Arrow batches (executor)."""
@@ -306,6 +334,7 @@ class PersistBatchReader(DataSourceReader):
             return
         freeze_worker_heap()
         target = output_arrow_schema(self._schema)
+        rows = pa.schema([f for f in target if f.name != CHANGE_TYPE])
         keeper = _LeaseKeeper(self._opts, partition.lease)
         keeper.beat()
         rows = partition.row_schema
@@ -322,7 +351,11 @@ class PersistBatchReader(DataSourceReader):
         table = consolidate(pa.concat_tables(parts), rows.names)
         if DIFF not in target.names:
             table = repeat_by_diff(table, self._opts.shard)
-        yield from conform_columns(table, target).cast(target).to_batches()
+        shown = pa.schema([f for f in target if f.name != CHANGE_TYPE])
+        table = conform_columns(table, shown).cast(shown)
+        if partition.change_keys is not None:
+            table = label_changes(table, partition.change_keys)
+        yield from table.cast(target).to_batches()
 
 
 class PersistPushdownBatchReader(PersistBatchReader):

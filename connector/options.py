@@ -50,6 +50,7 @@ READ_CHANGES = "readchanges"
 ENDING_TIME = "endingtime"
 ENDING_SEQNO = "endingseqno"
 HISTORY = "history"
+CHANGE_TYPES = "changetypes"
 METRICS_FILE = "metricsfile"
 AS_OF = "asof"
 MAX_BYTES = "maxbytespertrigger"
@@ -346,6 +347,19 @@ OPTIONS: tuple[OptionName, ...] = (
     ),
     OptionName("endingVersion", ENDING_SEQNO, _READ, peers="Delta"),
     OptionName(
+        "changeTypes",
+        CHANGE_TYPES,
+        _READS,
+        doc=OptionDoc(
+            "`false`",
+            "add a string column `_change_type` with Delta Change Data Feed's values: on a keyed "
+            "shard an update's retraction and insertion of a key at one time are "
+            "`update_preimage` and `update_postimage`, an insertion alone `insert`, a retraction "
+            "alone `delete`; on an unkeyed shard `+` rows are `insert` and `-` rows `delete` "
+            '(see [Change types](spark.md#change-types)), e.g. `.option("changeTypes", "true")`',
+        ),
+    ),
+    OptionName(
         "history",
         HISTORY,
         _READ,
@@ -579,6 +593,8 @@ class PersistOptions:
     ending_time: int | None = None
     ending_seqno: int | None = None
     history: bool = False
+    change_types: bool = False
+    """Add ``_change_type`` (Delta CDF's values) to every row read."""
     metrics_file: str | None = None
     as_of: int | None = None
     max_bytes: int | None = None
@@ -689,6 +705,7 @@ class PersistOptions:
             ending_time=ending_time,
             ending_seqno=ending_seqno,
             history=_bool(opts, said, HISTORY, default=False),
+            change_types=_bool(opts, said, CHANGE_TYPES, default=False),
             metrics_file=opts.get(METRICS_FILE) or None,
             as_of=_time(opts, said, AS_OF),
             max_bytes=_size(opts, said, MAX_BYTES),
@@ -749,7 +766,11 @@ def _check_history(opts: Mapping[str, str], said: Mapping[str, str]) -> None:
     if not _bool(opts, said, HISTORY, default=False):
         return
     data = [said[k] for k in (AS_OF, READ_CHANGES, STARTING_TIME, STARTING_SEQNO) if opts.get(k)]
-    data += [said[k] for k in (ENDING_TIME, ENDING_SEQNO, FILTER_PUSHDOWN, COLUMNS) if opts.get(k)]
+    data += [
+        said[k]
+        for k in (ENDING_TIME, ENDING_SEQNO, FILTER_PUSHDOWN, COLUMNS, CHANGE_TYPES)
+        if opts.get(k)
+    ]
     if data:
         raise InvalidUsage(
             f"persist: history reads the shard's commits, so {', '.join(data)} do(es) not apply: "

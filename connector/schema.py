@@ -3,7 +3,8 @@
 A shard created by the sink stores the DataFrame's columns (as Spark's own
 Arrow conversion gives them, every field nullable so a query whose
 nullability differs still matches); reads add ``_time`` and ``_diff``, both
-``long`` (Spark has no unsigned type; times are milliseconds, far below 2^63).
+``long`` (Spark has no unsigned type; times are milliseconds, far below 2^63),
+and with ``changeTypes`` a string ``_change_type`` (see :mod:`.change_types`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
-from pyspark.sql.types import LongType, StructField, StructType
+from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from pyspark_persist.state import DIFF, TIME, evolve_schema, select_columns
 from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
@@ -56,12 +57,63 @@ def _width(t: pa.DataType) -> float:
         return VARIABLE_WIDTH_BYTES
 
 
-def read_schema(shard_schema: pa.Schema) -> StructType:
-    """The Spark schema of a read: the shard's columns, then ``_time`` and ``_diff``."""
+def read_schema(shard_schema: pa.Schema, change_types: bool = False) -> StructType:
+    """The Spark schema of a read: the shard's columns, then ``_time`` and ``_diff`` (and
+    ``_change_type`` with ``changeTypes``)."""
+    from pyspark_persist.change_types import CHANGE_TYPE
+
     fields = list(from_arrow_schema(shard_schema).fields)
-    return StructType(
-        [*fields, StructField(TIME, LongType(), False), StructField(DIFF, LongType(), False)]
-    )
+    fields += [StructField(TIME, LongType(), False), StructField(DIFF, LongType(), False)]
+    if change_types:
+        if CHANGE_TYPE in shard_schema.names:
+            raise InvalidUsage(
+                f"persist: the shard has a column named {CHANGE_TYPE}, which changeTypes would "
+                "add: read without changeTypes, or rename the column"
+            )
+        fields.append(StructField(CHANGE_TYPE, StringType(), False))
+    return StructType(fields)
+
+
+def check_change_columns(schema: StructType, keys: Sequence[str], shard: str) -> None:
+    """A read with ``changeTypes`` returns what labelling needs: ``_diff`` (its sign tells an
+    insert from a delete), and on a keyed shard its keys and ``_time`` (an update is a key's
+    retraction and insertion at one time). Checked on the driver, before any task."""
+    missing = [n for n in (*keys, TIME, DIFF) if n not in schema.fieldNames()]
+    if keys:
+        why = f"pairs shard {shard!r}'s updates by its keys and _time and labels them by _diff"
+    else:
+        missing = [n for n in missing if n == DIFF]
+        why = "labels each update by the sign of its _diff"
+    if missing:
+        raise InvalidUsage(
+            f"persist read: changeTypes {why}, so the read needs {', '.join(missing)}: add "
+            f"{'it' if len(missing) == 1 else 'them'} to the schema (or the columns option), "
+            "or drop changeTypes"
+        )
+
+
+def check_change_type_column(schema: StructType, change_types: bool) -> None:
+    """A read's schema (the user's, if given one) has ``_change_type`` exactly when the read
+    has ``changeTypes``: Spark would otherwise fail on the first batch, far from the cause."""
+    from pyspark_persist.change_types import CHANGE_TYPE
+
+    has = CHANGE_TYPE in schema.fieldNames()
+    if change_types and not has:
+        raise InvalidUsage(
+            f"persist: changeTypes adds a {CHANGE_TYPE} column, but the read's schema lacks it: "
+            f"add {CHANGE_TYPE} STRING NOT NULL to the schema given to .schema(...), or drop "
+            "the schema to read the shard's own"
+        )
+    if has and not change_types:
+        raise InvalidUsage(
+            f"persist: the read's schema has a {CHANGE_TYPE} column, which only "
+            '.option("changeTypes", "true") fills: add that option, or drop the column'
+        )
+    if has and not isinstance(schema[CHANGE_TYPE].dataType, StringType):
+        raise InvalidUsage(
+            f"persist: {CHANGE_TYPE} is a string column, the read's schema gives it "
+            f"{schema[CHANGE_TYPE].dataType.simpleString()}: declare it STRING"
+        )
 
 
 def read_columns(
@@ -87,7 +139,9 @@ def read_columns(
                 f"{who}: column {name} is a long (bigint), not "
                 f"{schema[name].dataType.simpleString()}: declare it as long in the schema"
             )
-    names = [n for n in schema.fieldNames() if n not in RESERVED]
+    from pyspark_persist.change_types import CHANGE_TYPE
+
+    names = [n for n in schema.fieldNames() if n not in (*RESERVED, CHANGE_TYPE)]
     if columns is not None and names != [n for n in columns if n not in RESERVED]:
         raise InvalidUsage(
             f"{who}: the schema's columns {names} and option columns={','.join(columns)} "

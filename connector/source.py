@@ -145,31 +145,35 @@ class PersistDataSource(DataSource):
         # Spark asks once, in a planner worker on the driver: one Consensus read, and no
         # PubSub connection (with pubsub=auto that worker could even end up serving it).
         shard = client_for(opts, pubsub=False).open_shard(opts.shard, create=False)
+        columns = shard.schema
         if opts.columns is not None:
             from pyspark_persist.state import select_columns
 
-            return read_schema(
-                select_columns(shard.schema, opts.columns, opts.shard, "persist read")
-            )
-        return read_schema(shard.schema)
+            columns = select_columns(shard.schema, opts.columns, opts.shard, "persist read")
+        return read_schema(columns, opts.change_types)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         """A batch reader of the consolidated collection at ``asOf`` (or of the changes, or
         with ``history`` of the commits)."""
         from pyspark_persist.batch_reader import make_batch_reader
+        from pyspark_persist.schema import check_change_type_column
 
         opts = PersistOptions.parse(self.options, "read")
         if opts.history:
             from pyspark_persist.history_reader import PersistHistoryReader
 
             return PersistHistoryReader(opts)
+        check_change_type_column(schema, opts.change_types)
         return make_batch_reader(opts, schema)
 
     def streamReader(self, schema: StructType) -> PersistStreamReader:
         """A streaming reader: the snapshot, then every change, with leases held by the driver."""
+        from pyspark_persist.schema import check_change_type_column
         from pyspark_persist.stream_reader import PersistStreamReader
 
-        return PersistStreamReader(PersistOptions.parse(self.options, "stream_read"), schema)
+        opts = PersistOptions.parse(self.options, "stream_read")
+        check_change_type_column(schema, opts.change_types)
+        return PersistStreamReader(opts, schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> PersistBatchWriter:
         """A batch writer: append, or (overwrite) atomically replace the shard's contents."""

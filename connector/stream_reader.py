@@ -40,6 +40,12 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from pyspark_persist import offsets
+from pyspark_persist.change_types import (
+    CHANGE_TYPE,
+    colocate_times,
+    label_changes,
+    pairing_keys,
+)
 from pyspark_persist.offsets import Gap, MicroBatch, Offset, Start, Starting
 from pyspark_persist.options import (
     STARTING_AS_OF,
@@ -82,10 +88,18 @@ Spark's polling delay between triggers that found nothing)."""
 class PersistInputPartition(InputPartition):
     """One read task: leased parts (as JSON) and the Blob URI their bytes live under."""
 
-    def __init__(self, blob_uri: str, parts: Sequence[LeasedPart]) -> None:
+    def __init__(
+        self,
+        blob_uri: str,
+        parts: Sequence[LeasedPart],
+        change_keys: tuple[str, ...] | None = None,
+    ) -> None:
+        """``change_keys``: with changeTypes, the keys to pair updates by (``()``: unkeyed,
+        label by sign); None without."""
         super().__init__(None)
         self.blob_uri = blob_uri
         self.parts = tuple(json.dumps(p.to_json()) for p in parts)
+        self.change_keys = change_keys
 
     def leased_parts(self) -> list[LeasedPart]:
         """The parts to read, decoded."""
@@ -183,13 +197,15 @@ class LeaseHolder:
         self._client = client_for(opts)
         self._shard = self._client.open_shard(opts.shard, create=False)
         self._schema = schema
-        from pyspark_persist.schema import read_columns, read_share
+        from pyspark_persist.schema import check_change_columns, read_columns, read_share
 
         shard_columns = self._shard.schema.names
         names = shard_columns
         if schema is not None:
             names = read_columns(self._shard.schema, schema, opts.shard, opts.columns)
         self._share = read_share(self._shard.schema, names)
+        if opts.change_types and schema is not None:
+            check_change_columns(schema, self._shard.machine.state().keys, opts.shard)
         """The share of each part's bytes the query's columns take (splits are sized by it)."""
         self._columns: frozenset[str] | None = (
             frozenset(names) if set(names) >= set(shard_columns) else None
@@ -382,7 +398,10 @@ class LeaseHolder:
         if self._schema is not None:
             check_diffs_shown(self._schema, [p for s in splits for p in s], self._opts.shard)
         blob_uri = self._client.blob.uri
-        return [PersistInputPartition(blob_uri, s) for s in splits]
+        keys = pairing_keys(state.keys, splits) if self._opts.change_types else None
+        if keys:  # a task pairs the updates of a key at a time: it must read all of them
+            splits = tuple(colocate_times(splits))
+        return [PersistInputPartition(blob_uri, s, keys) for s in splits]
 
     def _split_limits(self) -> ReadLimits:
         """Split by splitSizeBytes of what the query reads of each part (its share for a
@@ -551,12 +570,36 @@ def read_partition(
 ) -> Iterator[pa.RecordBatch]:
     """Fetch a partition's parts (the next one while emitting the current) as Arrow batches
     of ``schema``: only its columns are read (see :func:`read_columns`), and without a
-    ``_diff`` column each update is repeated ``_diff`` times."""
-    from pyspark_persist.schema import RESERVED, output_arrow_schema
+    ``_diff`` column each update is repeated ``_diff`` times.
+
+    With changeTypes, each labelled: part by part on an unkeyed shard; on a
+    keyed one the whole task at once, its updates paired by key and time
+    (the planner gave the task every part of its times: ``colocate_times``).
+    """
+    from pyspark_persist.schema import output_arrow_schema
 
     freeze_worker_heap()
 
     target = output_arrow_schema(schema)
+    keys = partition.change_keys
+    if keys is None:
+        for table in _read_tables(partition, target):
+            yield from table.to_batches()
+        return
+    rows = pa.schema([f for f in target if f.name != CHANGE_TYPE])
+    if not keys:
+        for table in _read_tables(partition, rows):
+            yield from label_changes(table, keys).cast(target).to_batches()
+        return
+    tables = list(_read_tables(partition, rows))
+    if tables:
+        yield from label_changes(pa.concat_tables(tables), keys).cast(target).to_batches()
+
+
+def _read_tables(partition: PersistInputPartition, target: pa.Schema) -> Iterator[pa.Table]:
+    """The partition's parts as tables in ``target`` (empty ones skipped)."""
+    from pyspark_persist.schema import RESERVED
+
     parts = partition.leased_parts()
     if not parts:
         return
@@ -572,7 +615,7 @@ def read_partition(
         if not table.schema.equals(target):  # usually equal: the stored types are Spark's
             # A part written before a column was added reads null there.
             table = conform_columns(table, target).cast(target)
-        yield from table.to_batches()
+        yield table
 
 
 def check_diffs_shown(schema: StructType, parts: Sequence[LeasedPart], shard: str) -> None:

@@ -167,3 +167,30 @@ def test_streaming_aggregation(submit: list[str], home: Path) -> None:
     )
     assert "[tail] micro-batch" in proc.stdout
     assert re.search(r"tailed view \{.*\} equals the shard: True", proc.stdout), proc.stdout
+
+
+def test_cdc_upsert(submit: list[str], home: Path) -> None:
+    # 600 events over 60 keys in 4 files: two runs of the CDC query, a tail with change types.
+    proc = spark_job(
+        submit,
+        home,
+        "cdc_upsert.py",
+        "--events",
+        "600",
+        "--keys",
+        "60",
+        "--files",
+        "4",
+        "--shard",
+        "customers",
+    )
+    out = proc.stdout + proc.stderr
+    assert "[cdc] run done" in out and "[tail] micro-batch" in out
+    assert re.search(r"change types seen by the tail: \{.*'update_preimage'", proc.stdout)
+    m = re.search(
+        r"shard 'customers': (\d+) live keys; equals the feed applied with pandas: (\w+); "
+        r"tailed view equals it: (\w+); each change exactly once: (\w+)",
+        proc.stdout,
+    )
+    assert m is not None, proc.stdout
+    assert int(m.group(1)) > 0 and m.groups()[1:] == ("True", "True", "True")
