@@ -164,3 +164,23 @@ def test_a_read_without_retractions_keeps_its_splits_and_labels_by_sign() -> Non
     assert pairing_keys(["id"], [(part(1),), (part(1),)]) == ()
     assert pairing_keys(["id"], [(part(1),), (part(-1),)]) == ("id",)
     assert pairing_keys(["id"], [(part(None),)]) == ("id",)  # unknown bounds: may retract
+
+
+def test_a_read_with_change_types_must_return_what_labelling_needs() -> None:
+    """changeTypes on a column subset: the subset keeps _diff (and, on a keyed shard, the keys
+    and _time), or the read is refused on the driver naming what to add."""
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from pyspark_persist.schema import check_change_columns
+    from pyspark_persist.state.errors import InvalidUsage
+
+    def schema(*names: str) -> StructType:
+        return StructType([StructField(n, LongType()) for n in names])
+
+    full = StructType([*schema("id", "v", "_time", "_diff"), StructField("x", StringType())])
+    check_change_columns(full, ("id",), "s")
+    check_change_columns(schema("v", "_diff"), (), "s")
+    with pytest.raises(InvalidUsage, match="needs _diff"):
+        check_change_columns(schema("v", "_time"), (), "s")
+    with pytest.raises(InvalidUsage, match="needs id, _time"):
+        check_change_columns(schema("v", "_diff"), ("id",), "s")
