@@ -74,7 +74,9 @@ COLUMNS = "columns"
 QUERY_NAME = "queryname"
 PATHS = "paths"
 
-DEFAULT_SPLIT_SIZE = 64 << 20
+DEFAULT_SPLIT_SIZE = 128 << 20
+"""Spark's own ``spark.sql.files.maxPartitionBytes``. At 64 MiB a 1 GiB read made 16 tasks,
+which on 2 cores took 1.35-1.48x the time of 2 or 4 (bench-report/history.md, 2026-11-27)."""
 DEFAULT_MIN_PARTITIONS = 1
 DEFAULT_PUBSUB_POLL_MS = 1000
 """How stale a streaming source's cached answer may be while PubSub pushes look healthy."""
