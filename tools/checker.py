@@ -2964,13 +2964,17 @@ class KeyedShard(Piece):
                     self.listen_reader.downgrade_since(self.frontier - 1)
 
     def _next(self, timeout_s: float) -> bool:
-        """Take in the listen's next event (False: none, or a store error)."""
+        """Take in the listen's next event (False: none, or a store error before it came).
+
+        Once ``next`` handed out an event the listen is past it, so a failed fetch of its
+        parts is retried: dropping the event would lose its updates and read as a listen
+        that skipped times."""
         rec = self.ctx.rec
         try:
             event = self.listen.next(timeout_s=timeout_s)
             if event is None:
                 return False
-            table = self.listen_reader.fetch(event.parts)
+            table = fetch_retrying(self.listen_reader, event, rec, "keyed_listen_errors")
         except PartNotFound as e:
             rec.violation(f"keyed-listener: leased listen failed: {e}")
             return False

@@ -11,10 +11,12 @@ from __future__ import annotations
 import collections
 import os
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
+from pyspark_persist.state.errors import StoreUnavailable
 from pyspark_persist.tools import checker
 
 BUDGET_S = float(os.environ.get("PERSIST_CHECK_SECONDS", "5"))
@@ -270,3 +272,44 @@ def test_keyed_check_applies_the_landed_writes_serially_in_commit_order() -> Non
     report = checker.Report(seed=0, backend="mem")
     checker.check_keyed(writes[:1], _keyed_changes(), [], checker.Recorder(report))
     assert "acknowledged write is lost" in "\n".join(report.violations)
+
+
+def test_keyed_listen_retries_a_failed_fetch_of_an_event_it_was_handed() -> None:
+    """Once the keyed piece's listen hands out an event it is past it: a store error fetching
+    the event's parts must be retried, not dropped (the long run of seed 20261129 dropped
+    one, and then reported a listen that skipped times and the writes of the lost event as
+    lost acknowledged writes)."""
+    loc = checker.make_location("mem")
+    report = checker.Report(seed=1, backend="mem")
+    rec = checker.Recorder(report)
+    ctx = checker.Context(loc, "check-keyed-fetch", 1, rec, checker.History(rec))
+    piece = checker.KeyedShard(ctx)
+    piece.setup()
+    failures = [StoreUnavailable("injected: the fetch of a listen event's parts failed")]
+    fetch = piece.listen_reader.fetch
+
+    def failing_fetch(parts: Any) -> pa.Table:
+        """The reader's fetch, failing once first."""
+        if failures:
+            raise failures.pop()
+        return fetch(parts)
+
+    piece.listen_reader.fetch = failing_fetch  # type: ignore[method-assign]
+    try:
+        with checker.reliable_client(loc) as client:
+            writer = client.open_shard(piece.shard_name).writer("w")
+            for token, value in enumerate((100, 200), start=1):
+                w = checker.KeyedWrite(0, token, False, {1: value, -1: value + 15}, value + 15)
+                rows = pa.table({"k": list(w.rows), "v": list(w.rows.values())})
+                w.acked = writer.upsert(rows, token=token) is not None
+                piece.writes.append(w)
+                for _ in range(3):  # an event, or the injected error and then the event
+                    if piece._next(1.0):
+                        break
+        piece.verify()
+    finally:
+        for fc in ctx.clients:
+            fc.close()
+    assert not failures and report.ops["keyed_listen_errors"] == 1
+    assert report.ok, report.violations
+    assert report.ops["keyed_commits_checked"] == 2
