@@ -36,6 +36,11 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   its default, 64 MiB, that measuring took a third of the JVM's task-thread
   samples in a JFR profile of a Python sink's write): every Python sink gets
   its rows faster, Parquet's writer is unaffected.
+- **A user's first write**: those rounds are warm, a user's one-off job is not. For the
+  discarding sink and then persist, each in a new interpreter and Spark session: its first
+  write of the same rows (for persist into a new shard), when Spark's Python workers start
+  and import pyspark and the sink, then the next write, and persist's first over the
+  discarding sink's first beside the warm ratio (``--skip-first-write`` to leave it out).
 - **Write-to-visible latency** of a streaming pipeline: a rate-limited
   ``rate`` source -> sink -> source of the same format -> ``foreachBatch`` on
   the driver, which records ``now - the row's creation time`` (the rate
@@ -721,6 +726,10 @@ def render(report: Report) -> str:
         lines.append(
             "\nA user's first write (a new session: Python workers start, persist creates "
             "the shard), then the next:"
+        )
+        lines.append(
+            f"  {'writer':<21}{'rows':>10}{'seconds':>9}{'rows/s':>12}{'MiB/s':>8}{'CPU s':>8}"
+            f"{'workers':>9}"
         )
         for w in report.first_write:
             cpu = "" if w.cpu_seconds is None else f"{w.cpu_seconds:>8.2f}"
