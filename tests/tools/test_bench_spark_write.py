@@ -60,3 +60,36 @@ def test_lift_arrow_byte_cap_sets_the_one_value_spark_skips_and_names_it() -> No
         )
     )
     assert "Spark's default Arrow batches not measured row by row" in lifted.splitlines()[0]
+
+
+def test_a_new_sessions_first_write_is_printed_beside_the_steady_one() -> None:
+    """A user's one-off job pays what the warmed rounds do not (Python workers starting, the
+    sink's imports, a new shard): the report prints each sink's first write of a new session
+    and the next one, and persist's first against the discarding sink's first beside the
+    steady-state ratio, so neither figure passes for the other."""
+    assert _parse([]).skip_first_write is False
+    assert spark_write.FIRST_WRITERS == ("discard", "persist append")
+    report = Report(
+        size_mib=1.0,
+        partitions=2,
+        master="local[2]",
+        write=[
+            WriteFigures("persist append", 10, 1.0, 10.0, 1.0),
+            WriteFigures("discard", 10, 1.0, 10.0, 1.0),
+        ],
+        first_write=[
+            WriteFigures("discard first", 10, 4.0, 2.5, 0.25, 3.0, 2.0),
+            WriteFigures("discard next", 10, 1.0, 10.0, 1.0, 1.0, 0.5),
+            WriteFigures("persist append first", 10, 5.0, 2.0, 0.2, 4.0, 3.0),
+            WriteFigures("persist append next", 10, 1.0, 10.0, 1.0, 1.0, 0.5),
+        ],
+        first_write_ratio=0.8,
+    )
+    assert report.figures("persist append first").seconds == 5.0
+    text = render(report)
+    assert "A user's first write" in text
+    assert "persist append first" in text and "discard next" in text
+    assert (
+        "persist append first / discard first = 0.80x "
+        "(steady state above: persist append / discard = 1.00x)" in text
+    )

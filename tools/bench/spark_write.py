@@ -36,6 +36,11 @@ pyspark_persist.tools.bench.spark_write``; ``--quick`` for a smoke run,
   its default, 64 MiB, that measuring took a third of the JVM's task-thread
   samples in a JFR profile of a Python sink's write): every Python sink gets
   its rows faster, Parquet's writer is unaffected.
+- **A user's first write**: those rounds are warm, a user's one-off job is not. For the
+  discarding sink and then persist, each in a new interpreter and Spark session: its first
+  write of the same rows (for persist into a new shard), when Spark's Python workers start
+  and import pyspark and the sink, then the next write, and persist's first over the
+  discarding sink's first beside the warm ratio (``--skip-first-write`` to leave it out).
 - **Write-to-visible latency** of a streaming pipeline: a rate-limited
   ``rate`` source -> sink -> source of the same format -> ``foreachBatch`` on
   the driver, which records ``now - the row's creation time`` (the rate
@@ -54,10 +59,12 @@ on ``file://`` Blob + ``sqlite://`` Consensus there, Parquet files beside.
 
 from __future__ import annotations
 
+import json
 import os
 import pkgutil
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -137,6 +144,9 @@ class SparkWriteOptions(Options):
         f"set {ARROW_BYTE_CAP_CONF} to {NO_ARROW_BYTE_CAP}, so Spark stops measuring "
         "each Arrow batch for a Python sink after every row (see docs/spark.md, Bulk writes)",
     )
+    skip_first_write: bool = flag(
+        False, "skip the first writes of a new session (two more Spark sessions)"
+    )
     skip_latency: bool = flag(False, "throughput only")
     skip_throughput: bool = flag(False, "latency only")
     workdir: str | None = flag(
@@ -186,6 +196,11 @@ class Report(Result):
     arrow_byte_cap_lifted: bool = False
     """``--lift-arrow-byte-cap``: Spark did not measure each Arrow batch row by row."""
     write: list[WriteFigures] = field(default_factory=list)
+    first_write: list[WriteFigures] = field(default_factory=list)
+    """Per Python sink (FIRST_WRITERS), a new session's first write (``<sink> first``) and
+    the next one in that session (``<sink> next``): see :func:`first_write_probe`."""
+    first_write_ratio: float | None = None
+    """persist's first write's rows/s over the discarding sink's first write's."""
     latency: list[LatencyFigures] = field(default_factory=list)
     write_ratio: float = 0.0
     """The worst of ``mode_ratios``."""
@@ -206,9 +221,10 @@ class Report(Result):
 
     def figures(self, writer: str) -> WriteFigures:
         """The throughput of ``writer`` (a key of PEERS or a value, ``discard``...)."""
-        found = next((w for w in self.write if w.writer == writer), None)
+        every = self.write + self.first_write
+        found = next((w for w in every if w.writer == writer), None)
         if found is None:
-            raise KeyError(f"no writer {writer!r}: the run has {[w.writer for w in self.write]}")
+            raise KeyError(f"no writer {writer!r}: the run has {[w.writer for w in every]}")
         return found
 
 
@@ -245,9 +261,9 @@ def _session(master: str, arrow_batch_rows: int | None = None, lift_byte_cap: bo
     return spark
 
 
-def _throughput(
-    spark: Any, size_mib: float, partitions: int | None, opts: dict[str, str], workdir: str
-) -> list[WriteFigures]:
+def _cached_rows(spark: Any, size_mib: float, partitions: int | None) -> tuple[int, int, Any]:
+    """(rows, partitions, the cached DataFrame of ``size_mib`` of rows), materialized so no
+    clock started after this pays for generating them."""
     from pyspark.sql import functions as F
 
     rows = max(int(size_mib * MiB / ROW_BYTES), 1)
@@ -261,7 +277,96 @@ def _throughput(
         )
         .cache()
     )
-    assert df.count() == rows  # materialize the cache before any clock starts
+    assert df.count() == rows
+    return rows, parts, df
+
+
+def _figures(name: str, rows: int, seconds: float, cpu: Any) -> WriteFigures:
+    """One timed write as figures (``cpu``: its CpuMeter split, None off Linux)."""
+    return WriteFigures(
+        name,
+        rows,
+        round(seconds, 3),
+        round(rows / seconds, 1),
+        round(rows * ROW_BYTES / MiB / seconds, 2),
+        None if cpu is None else round(cpu.total, 2),
+        None if cpu is None else round(cpu.workers, 2),
+    )
+
+
+FIRST_WRITERS = ("discard", "persist append")
+"""The Python sinks whose first write in a new session is timed, in that order."""
+
+
+def first_write_probe(
+    writer: str,
+    workdir: str,
+    master: str,
+    size_mib: float,
+    partitions: int | None,
+    arrow_batch_rows: int | None = None,
+    lift_byte_cap: bool = False,
+) -> list[WriteFigures]:
+    """In this (fresh) process: a user's first write, then the next one, as a user's job does.
+
+    The first Python write of a Spark application starts Spark's Python worker daemon, its
+    task workers and the driver's planner worker (which builds the writer and runs its
+    commit), and each imports pyspark and the sink's module; a persist write into a new shard
+    also creates the shard. The rounds of :func:`_throughput` warm all of that up before
+    their clocks start, which a user's one-off job never does: this is the figure for it. The
+    second write, into the same shard (or sink), is the same session warm.
+    """
+    spark = _session(master, arrow_batch_rows, lift_byte_cap)
+    try:
+        rows, _, df = _cached_rows(spark, size_mib, partitions)
+        from pyspark_persist.tools.bench.ceiling import DISCARD
+
+        opts = {
+            "blob": f"file://{os.path.abspath(workdir)}/blob",
+            "consensus": f"sqlite:///{os.path.abspath(workdir)}/consensus.db",
+        }
+        shard = f"first-{uuid.uuid4().hex[:8]}"
+        out = []
+        for when in ("first", "next"):
+            with CpuMeter() as meter:
+                started = time.perf_counter()
+                if writer == "discard":
+                    df.write.format(DISCARD).mode("append").save()
+                else:
+                    df.write.format("persist").options(**opts).mode("append").save(shard)
+                seconds = time.perf_counter() - started
+            out.append(_figures(f"{writer} {when}", rows, seconds, meter.split))
+        return out
+    finally:
+        spark.stop()
+
+
+def _run_first_write_probe(
+    writer: str, workdir: str, options: SparkWriteOptions
+) -> list[WriteFigures]:
+    """:func:`first_write_probe` in a new interpreter, so nothing of this run is warm."""
+    args = (
+        writer,
+        workdir,
+        options.master,
+        options.size_mib,
+        options.partitions,
+        options.arrow_batch_rows,
+        options.lift_arrow_byte_cap,
+    )
+    call = (
+        "import json, dataclasses; "
+        "from pyspark_persist.tools.bench.spark_write import first_write_probe; "
+        f"print(json.dumps([dataclasses.asdict(f) for f in first_write_probe(*{args!r})]))"
+    )
+    out = subprocess.run([sys.executable, "-c", call], check=True, capture_output=True, text=True)
+    return [WriteFigures(**f) for f in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def _throughput(
+    spark: Any, size_mib: float, partitions: int | None, opts: dict[str, str], workdir: str
+) -> list[WriteFigures]:
+    rows, parts, df = _cached_rows(spark, size_mib, partitions)
     out: list[WriteFigures] = []
 
     from pyspark_persist.tools.bench.ceiling import DISCARD
@@ -359,17 +464,11 @@ def _throughput(
                     least_worker_cpu.get(name, float("inf")), spent.workers
                 )
     for name, secs in best.items():
-        out.append(
-            WriteFigures(
-                name,
-                rows,
-                round(secs, 3),
-                round(rows / secs, 1),
-                round(rows * ROW_BYTES / MiB / secs, 2),
-                round(least_cpu[name], 2) if name in least_cpu else None,
-                round(least_worker_cpu[name], 2) if name in least_worker_cpu else None,
-            )
-        )
+        figures = _figures(name, rows, secs, None)
+        if name in least_cpu:
+            figures.cpu_seconds = round(least_cpu[name], 2)
+            figures.worker_cpu_seconds = round(least_worker_cpu[name], 2)
+        out.append(figures)
     df.unpersist()
     tiny.unpersist()
     return out
@@ -527,6 +626,15 @@ def run(options: SparkWriteOptions) -> Report:
             )
             report.targets["write_throughput_vs_parquet"] = report.write_ratio >= THROUGHPUT_TARGET
             report.own_cpu = _own_cpu(by)
+        if not options.skip_throughput and not options.skip_first_write:
+            for writer in FIRST_WRITERS:
+                step(f"spark-write: {writer}, the first write of a new session, then the next")
+                report.first_write += _run_first_write_probe(writer, workdir, options)
+            report.first_write_ratio = round(
+                report.figures("persist append first").rows_per_s
+                / report.figures("discard first").rows_per_s,
+                3,
+            )
         if not options.skip_latency:
             for kind in ("persist", "parquet", "floor"):
                 step(f"spark-write: latency, the {kind} pipeline ({lat_s:.0f} s)")
@@ -557,6 +665,11 @@ def _own_cpu(by: dict[str, WriteFigures]) -> dict[str, tuple[float, float]]:
         if own is not None:
             out[mode] = own
     return out
+
+
+def _over_discard(report: Report) -> float:
+    """The warmed rounds' persist append rows/s over the discarding sink's."""
+    return report.figures("persist append").rows_per_s / report.figures("discard").rows_per_s
 
 
 def render(report: Report) -> str:
@@ -608,6 +721,29 @@ def render(report: Report) -> str:
                     for mode, (sec, share) in report.own_cpu.items()
                 )
                 + " of its write's CPU"
+            )
+    if report.first_write:
+        lines.append(
+            "\nA user's first write (a new session: Python workers start, persist creates "
+            "the shard), then the next:"
+        )
+        lines.append(
+            f"  {'writer':<21}{'rows':>10}{'seconds':>9}{'rows/s':>12}{'MiB/s':>8}{'CPU s':>8}"
+            f"{'workers':>9}"
+        )
+        for w in report.first_write:
+            cpu = "" if w.cpu_seconds is None else f"{w.cpu_seconds:>8.2f}"
+            if w.worker_cpu_seconds is not None:
+                cpu += f"{w.worker_cpu_seconds:>9.2f}"
+            lines.append(
+                f"  {w.writer:<21}{w.rows:>10}{w.seconds:>9.2f}"
+                f"{w.rows_per_s:>12,.0f}{w.mib_per_s:>8.1f}{cpu}"
+            )
+        if report.first_write_ratio is not None:
+            lines.append(
+                f"  persist append first / discard first = {report.first_write_ratio:.2f}x "
+                "(steady state above: persist append / discard = "
+                f"{_over_discard(report):.2f}x)"
             )
     if report.latency:
         lines.append("\nWrite-to-visible latency (ms):")
