@@ -10,6 +10,13 @@ and one compare_and_append) and Delta's ``merge`` (``when_matched_update_all``,
 the shard grows to ``--grow-to`` rows and the same upserts are timed again: what a 10x bigger
 shard costs per upsert. Reported as same-run ratios: Delta's commit p50 over persist's (target
 at least 5x), and persist's p50 at the grown size over the first (target at most 2x).
+
+Last, the read after a history of upserts (issue 35): a fresh keyed shard of ``--rows`` rows
+takes ``--history-rounds`` upserts of ``--upsert-rows`` random existing keys each, then
+compaction and GC run to completion; its full snapshot read (best of 3) is set against the
+same live rows written once into another fresh keyed shard and read the same way (target at
+least 0.8x that read's speed), and the Blob bytes of its live parts against the written-once
+shard's (target at most 2x).
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ LOAD_CHUNK = 500_000
 """Rows per upsert while loading (ids in order: each load upsert's key range is new)."""
 SPEEDUP_TARGET = 5.0
 GROWTH_TARGET = 2.0
+HISTORY_READ_TARGET = 0.8
+"""The upserted shard's read speed over the written-once shard's, at least."""
+HISTORY_BYTES_TARGET = 2.0
+"""The upserted shard's live part bytes over the written-once shard's, at most."""
+READS = 3
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,35 @@ class UpsertOptions(Options):
         10_000_000, "rows the shard grows to for the growth figure (0: skip)", quick=60_000
     )
     seed: int = flag(1, "seed of the random keys")
+    history_rounds: int = flag(
+        100, "upserts before the read-after-history figure (0: skip)", quick=20
+    )
+
+
+@dataclass(frozen=True)
+class HistoryFigures:
+    """A shard read after ``rounds`` upserts and compaction, beside the same rows written once."""
+
+    rounds: int
+    live_rows: int
+    upserted_read_s: list[float]
+    once_read_s: list[float]
+    upserted_bytes: int
+    once_bytes: int
+    upserted_batches: int
+    upserted_parts: int
+    settle_s: float
+
+    @property
+    def read_ratio(self) -> float:
+        """The written-once read's best time over the upserted one's: the upserted shard's
+        read speed as a fraction of the written-once shard's."""
+        return min(self.once_read_s) / min(self.upserted_read_s)
+
+    @property
+    def bytes_ratio(self) -> float:
+        """The upserted shard's live part bytes over the written-once shard's."""
+        return self.upserted_bytes / self.once_bytes
 
 
 @dataclass(frozen=True)
@@ -63,6 +104,7 @@ class UpsertResult(Result):
     grown_s: list[float]
     persist_load_s: float
     delta_load_s: float
+    history: HistoryFigures | None
 
     @property
     def persist_p50_s(self) -> float:
@@ -106,6 +148,66 @@ def _timed(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def _best_reads(shard: Shard) -> tuple[list[float], pa.Table]:
+    """:data:`READS` full snapshot reads of ``shard``: their seconds and the last table."""
+    reader = shard.reader()
+    seconds, table = [], None
+    for _ in range(READS):
+        started = time.perf_counter()
+        table = reader.snapshot_table()
+        seconds.append(time.perf_counter() - started)
+    reader.close()
+    assert table is not None
+    return seconds, table
+
+
+def _live_bytes(shard: Shard) -> tuple[int, int, int]:
+    """The Blob bytes of ``shard``'s live parts, its batches and its parts."""
+    parts = [p for b in shard.state().batches.values() for p in b.parts]
+    return sum(p.size_bytes for p in parts), len(shard.state().batches), len(parts)
+
+
+def _history(
+    client: PersistClient, opts: UpsertOptions, rng: np.random.Generator
+) -> HistoryFigures:
+    """Upsert a fresh shard ``opts.history_rounds`` times, settle compaction and GC, and read
+    it beside the same live rows written once."""
+    shard = client.open_shard("history", SCHEMA, keys=["id"])
+    step(f"history: loading {opts.rows:,} rows into a fresh keyed shard")
+    _load(shard, 0, opts.rows)
+    writer = shard.writer()
+    for r in range(opts.history_rounds):
+        if r % 10 == 0:
+            step(f"history: upsert round {r + 1}/{opts.history_rounds}")
+        writer.upsert(_rows(rng.choice(opts.rows, opts.upsert_rows, replace=False), f"h{r}-"))
+    step("history: waiting for compaction and GC to finish")
+    started = time.perf_counter()
+    client.maintenance.wait_idle(600)
+    shard.compact()
+    shard.gc()
+    settle_s = time.perf_counter() - started
+    upserted_bytes, batches, parts = _live_bytes(shard)
+    step("history: reading the upserted shard")
+    upserted_s, live = _best_reads(shard)
+    once = client.open_shard("history-once", SCHEMA, keys=["id"])
+    step(f"history: writing the {live.num_rows:,} live rows once into a fresh keyed shard")
+    once.writer().upsert(live.select(SCHEMA.names))
+    client.maintenance.wait_idle(600)
+    once_bytes = _live_bytes(once)[0]
+    once_s, _ = _best_reads(once)
+    return HistoryFigures(
+        opts.history_rounds,
+        live.num_rows,
+        upserted_s,
+        once_s,
+        upserted_bytes,
+        once_bytes,
+        batches,
+        parts,
+        settle_s,
+    )
 
 
 def run(opts: UpsertOptions) -> UpsertResult:
@@ -161,6 +263,7 @@ def run(opts: UpsertOptions) -> UpsertResult:
                 elapsed = _timed(lambda b=rows: writer.upsert(b))  # type: ignore[misc]
                 if r:  # the first (the warm-up, reading the new parts' keys) is not counted
                     grown_s.append(elapsed)
+        history = _history(client, opts, rng) if opts.history_rounds else None
         client.close()
         return UpsertResult(
             opts.rows,
@@ -171,6 +274,7 @@ def run(opts: UpsertOptions) -> UpsertResult:
             grown_s,
             persist_load,
             delta_load,
+            history,
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -196,6 +300,21 @@ def render(r: UpsertResult) -> str:
             f"  grown to {r.grown_rows:,} rows: p50 {statistics.median(r.grown_s) * 1000:.1f} ms, "
             f"{ratio_text(r.growth, GROWTH_TARGET)} the first (target <= {GROWTH_TARGET:g}x: {ok})"
         )
+    h = r.history
+    if h is not None:
+        read_ok = "met" if h.read_ratio >= HISTORY_READ_TARGET else "NOT met"
+        bytes_ok = "met" if h.bytes_ratio <= HISTORY_BYTES_TARGET else "NOT met"
+        lines += [
+            f"  after {h.rounds} upserts of {r.upsert_rows:,} rows, compaction and GC settled "
+            f"({h.settle_s:.1f} s): {h.live_rows:,} live rows in {h.upserted_batches} batches, "
+            f"{h.upserted_parts} parts",
+            f"    read (best of {READS}): {min(h.upserted_read_s) * 1000:.0f} ms, written once "
+            f"{min(h.once_read_s) * 1000:.0f} ms: {ratio_text(h.read_ratio, HISTORY_READ_TARGET)} "
+            f"its speed (target >= {HISTORY_READ_TARGET:g}x: {read_ok})",
+            f"    live part bytes: {h.upserted_bytes / 1e6:.1f} MB, written once "
+            f"{h.once_bytes / 1e6:.1f} MB: {ratio_text(h.bytes_ratio, HISTORY_BYTES_TARGET)} "
+            f"(target <= {HISTORY_BYTES_TARGET:g}x: {bytes_ok})",
+        ]
     return "\n".join(lines)
 
 
