@@ -191,6 +191,7 @@ from pyspark_persist.state.errors import (
     PartNotFound,
     PersistError,
     ShardDropped,
+    ShardInUse,
     ShardNotFound,
     StagedPartsExpired,
     StoreUnavailable,
@@ -2395,13 +2396,19 @@ class DropRecreate(Piece):
             with reliable_client(ctx.loc) as c:
                 old = c.open_shard(self.shard_name).machine.incarnation
                 assert old is not None
-                drop_shard(
-                    c.consensus,
-                    c.blob,
-                    self.shard_name,
-                    now_ms=time.time_ns() // 1_000_000,
-                    force=True,
-                )
+                try:
+                    drop_shard(
+                        c.consensus,
+                        c.blob,
+                        self.shard_name,
+                        now_ms=time.time_ns() // 1_000_000,
+                        force=True,
+                    )
+                except ShardInUse:
+                    # The writer landed a commit before each of the drop's fencing attempts
+                    # (a loaded machine): nothing was dropped, as the error says; try again.
+                    ctx.rec.op("drops_contended")
+                    continue
             with self._lock:
                 self.dropped_at[old] = time.monotonic()
             self._create()
