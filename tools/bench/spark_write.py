@@ -672,6 +672,23 @@ def _over_discard(report: Report) -> float:
     return report.figures("persist append").rows_per_s / report.figures("discard").rows_per_s
 
 
+def _write_table(writes: list[WriteFigures], width: int) -> list[str]:
+    """A header and a row per writer (names padded to ``width``): rows, seconds, rate, CPU."""
+    lines = [
+        f"  {'writer':<{width}}{'rows':>10}{'seconds':>9}{'rows/s':>12}{'MiB/s':>8}{'CPU s':>8}"
+        f"{'workers':>9}"
+    ]
+    for w in writes:
+        cpu = "" if w.cpu_seconds is None else f"{w.cpu_seconds:>8.2f}"
+        if w.worker_cpu_seconds is not None:
+            cpu += f"{w.worker_cpu_seconds:>9.2f}"
+        lines.append(
+            f"  {w.writer:<{width}}{w.rows:>10}{w.seconds:>9.2f}"
+            f"{w.rows_per_s:>12,.0f}{w.mib_per_s:>8.1f}{cpu}"
+        )
+    return lines
+
+
 def render(report: Report) -> str:
     """The report as a human-readable table."""
     batches = (
@@ -687,18 +704,7 @@ def render(report: Report) -> str:
     ]
     if report.write:
         lines.append(f"\nWrite throughput, {report.size_mib:g} MiB cached DataFrame:")
-        lines.append(
-            f"  {'writer':<19}{'rows':>10}{'seconds':>9}{'rows/s':>12}{'MiB/s':>8}{'CPU s':>8}"
-            f"{'workers':>9}"
-        )
-        for w in report.write:
-            cpu = "" if w.cpu_seconds is None else f"{w.cpu_seconds:>8.2f}"
-            if w.worker_cpu_seconds is not None:
-                cpu += f"{w.worker_cpu_seconds:>9.2f}"
-            lines.append(
-                f"  {w.writer:<19}{w.rows:>10}{w.seconds:>9.2f}"
-                f"{w.rows_per_s:>12,.0f}{w.mib_per_s:>8.1f}{cpu}"
-            )
+        lines += _write_table(report.write, 19)
         for mode, ratio in report.mode_ratios.items():
             ok = ratio >= THROUGHPUT_TARGET
             lines.append(
@@ -727,18 +733,7 @@ def render(report: Report) -> str:
             "\nA user's first write (a new session: Python workers start, persist creates "
             "the shard), then the next:"
         )
-        lines.append(
-            f"  {'writer':<21}{'rows':>10}{'seconds':>9}{'rows/s':>12}{'MiB/s':>8}{'CPU s':>8}"
-            f"{'workers':>9}"
-        )
-        for w in report.first_write:
-            cpu = "" if w.cpu_seconds is None else f"{w.cpu_seconds:>8.2f}"
-            if w.worker_cpu_seconds is not None:
-                cpu += f"{w.worker_cpu_seconds:>9.2f}"
-            lines.append(
-                f"  {w.writer:<21}{w.rows:>10}{w.seconds:>9.2f}"
-                f"{w.rows_per_s:>12,.0f}{w.mib_per_s:>8.1f}{cpu}"
-            )
+        lines += _write_table(report.first_write, 21)
         if report.first_write_ratio is not None:
             lines.append(
                 f"  persist append first / discard first = {report.first_write_ratio:.2f}x "
