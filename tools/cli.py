@@ -703,7 +703,7 @@ def compact(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
                     "rows": sum(b.rows for b in m),
                     "bytes": sum(b.size_bytes for b in m),
                 }
-                for m in compaction_plan(before, client.config)
+                for m in compaction_plan(before, client.config, settle=True)
             ]
             return {
                 "shard": name,
@@ -716,7 +716,7 @@ def compact(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
         state = before
         try:
             for _ in range(1000):
-                request = compaction_request(state, client.config)
+                request = compaction_request(state, client.config, settle=True)
                 if request is None:
                     break
                 reports.append(run_compaction(shard.machine, request))
