@@ -270,9 +270,7 @@ def run_compaction(machine: Machine, request: CompactRequest) -> list[Compaction
     """Run compaction until the policy asks for nothing more (or ``request.max_rounds``)."""
     reports = []
     for _ in range(request.max_rounds):
-        batches = compaction_request(
-            machine.fetch_latest(), machine.config, settle=request.settle
-        )
+        batches = compaction_request(machine.fetch_latest(), machine.config, settle=request.settle)
         if batches is None:
             break
         reports.append(compact(machine, batches))

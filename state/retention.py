@@ -140,19 +140,21 @@ def expired_run(
     away); others keep the size-tiered policy alone.
 
     In the background (``settle`` False) the head, what earlier folds left,
-    is rewritten only once the batches after it hold as many rows as it (or
-    are ``fan_in``): each fold writes the head once more for at least as many
-    new rows, so a row is rewritten about once per head's worth of updates
-    (write amplification at most about 2), however small the upserts. Between
-    folds a keyed shard carries up to a head's worth of retraction and insert
-    pairs, which every snapshot sums against the head's rows of their keys.
+    is rewritten only once the batches after it hold as many rows as it
+    (write amplification about 2: a fold writes the head once more for at
+    least as many new rows), or once they are ``fan_in`` (amplification up to
+    the head's rows over ``fan_in`` batches': 1,000,000 over 8 upserts of
+    10,000 keys, their 160,000 rows, is about 7). Between folds a keyed shard
+    carries fewer than a head's worth of retraction and insert pairs, which
+    every snapshot sums against the head's rows of their keys.
     ``settle`` (a compaction someone asked for: ``Shard.compact()``,
     ``persist compact``) folds the whole run at once when a batch after the
     head may hold retractions, so a shard idle since then reads as if written
     once: its cost is one rewrite of the head per call that finds upserts to
-    fold, the caller's choice (an append-only run is left to the tiers). A run bigger than ``memory_bytes`` (what one
-    rewrite may hold) is not folded: compaction would concatenate its parts,
-    which folds nothing (and a lone batch would be asked for again forever).
+    fold, the caller's choice (an append-only run is left to the tiers). A
+    run bigger than ``memory_bytes`` (what one rewrite may hold) is not
+    folded: compaction would concatenate its parts, which folds nothing (and
+    a lone batch would be asked for again forever).
     """
     if state.retention_ms <= 0 and not state.keys:
         return None
