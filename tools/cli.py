@@ -609,6 +609,7 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
 
     from pyspark_persist.state import consolidate, iter_parts, plan_read
     from pyspark_persist.state.errors import PartNotFound
+    from pyspark_persist.state.keyed import consolidate_keyed
     from pyspark_persist.state.schema import data_schema
 
     for _attempt in range(_SHOW_ATTEMPTS):
@@ -627,6 +628,8 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
         finally:
             progress.close()
         table = pa.concat_tables(tables) if tables else data_schema(schema).empty_table()
+        if state.keys:  # (sums only the keys with a retraction, as a snapshot_table does)
+            return at, consolidate_keyed(table, schema.names, state.keys)
         return at, consolidate(table, schema.names)
     raise CliError(
         f"shard {shard.name!r} kept changing under the read (its parts were compacted and "
