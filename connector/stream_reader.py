@@ -209,7 +209,8 @@ class ConsumerLink:
     read from the state ``latestOffset`` reads anyway, so no extra Consensus read.
     """
 
-    def __init__(self, shard: Shard, name: str, expiry_ms: int) -> None:
+    def __init__(self, shard: Shard, name: str, expiry_ms: int, reader_id: str) -> None:
+        """``reader_id``: the query's leased reader, whose lease bounds its hold."""
         self._shard = shard
         self.name = name
         started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -217,7 +218,7 @@ class ConsumerLink:
             f"query {uuid.uuid4().hex[:12]} pid {os.getpid()} on {socket.gethostname()} "
             f"since {started}"
         )
-        acquired = shard.acquire_consumer(name, self.holder, expiry_ms)
+        acquired = shard.acquire_consumer(name, self.holder, expiry_ms, reader_id=reader_id)
         self.epoch = acquired.epoch
         self.position = acquired.position
 
@@ -301,7 +302,9 @@ class LeaseHolder:
         self.available_now_upper: int | None = None
         self.consumer: ConsumerLink | None = None
         if opts.consumer is not None:
-            self.consumer = ConsumerLink(self._shard, opts.consumer, opts.consumer_expiry_ms)
+            self.consumer = ConsumerLink(
+                self._shard, opts.consumer, opts.consumer_expiry_ms, self._reader.reader_id
+            )
 
     @property
     def machine(self) -> Machine:

@@ -38,17 +38,20 @@ class ConsumerMethods:
         return cmds.consumer_lag(self.machine.fetch_latest(), name)
 
     @traced("Shard.acquire_consumer", "machine.shard_id")
-    def acquire_consumer(self, name: str, holder: str, expiry_ms: int = 0) -> ConsumerState:
+    def acquire_consumer(
+        self, name: str, holder: str, expiry_ms: int = 0, *, reader_id: str = ""
+    ) -> ConsumerState:
         """Hold consumer ``name`` (created when absent) for ``holder``, fencing any older holder.
 
         The returned ``epoch`` is what :meth:`plan_consumer_batch` and
         :meth:`advance_consumer` must name; ``expiry_ms`` > 0: the consumer
-        stops holding data once idle that long.
+        stops holding data once idle that long. ``reader_id``: the holder's leased reader;
+        once its lease is gone the holder no longer counts as live (reset and drop go ahead).
         """
         now = self.machine.clock_ms()
         return self._run(
             lambda s: cmds.acquire_consumer(
-                s, name=name, holder=holder, now_ms=now, expiry_ms=expiry_ms
+                s, name=name, holder=holder, now_ms=now, expiry_ms=expiry_ms, reader_id=reader_id
             )
         )
 
@@ -90,7 +93,7 @@ class ConsumerMethods:
     def reset_consumer(
         self, name: str, *, position: str, upper: Time, since: Time, force: bool = False
     ) -> ConsumerState:
-        """Move the consumer to ``position``; ConsumerInUse while a query holds it (unless
+        """Move the consumer to ``position``; ConsumerInUse while a live query holds it (unless
         ``force``: that query is fenced), InvalidFrontier when ``since`` was compacted away."""
         now = self.machine.clock_ms()
         return self._run(
@@ -109,9 +112,9 @@ class ConsumerMethods:
     def drop_consumer(self, name: str, force: bool = False) -> None:
         """Remove the consumer and its hold; ConsumerInUse while held (unless ``force``),
         UnknownConsumer when the shard has none of that name."""
-        info = RunInfo()
+        info, now = RunInfo(), self.machine.clock_ms()
         result = self.machine.run(
-            lambda s: cmds.drop_consumer(s, name=name, force=force), info=info
+            lambda s: cmds.drop_consumer(s, name=name, force=force, now_ms=now), info=info
         )
         if isinstance(result, UnknownConsumer) and info.uncertain:
             return  # an attempt whose reply was lost dropped it

@@ -53,6 +53,7 @@ __all__ = [
     "ConsumerResult",
     "ConsumerState",
     "acquire_consumer",
+    "is_held",
     "advance_consumer",
     "consumer_lag",
     "drop_consumer",
@@ -105,6 +106,17 @@ def _held(state: ShardState, name: str, current: ConsumerState, what: str) -> Co
     )
 
 
+def is_held(state: ShardState, consumer: ConsumerState, now_ms: int | None = None) -> bool:
+    """Whether a live query holds ``consumer``: it has a holder, and the leased reader that
+    holder named (if any) is still registered, its lease not run out at ``now_ms``."""
+    if not consumer.holder:
+        return False
+    if not consumer.reader:
+        return True
+    lease = state.leased_readers.get(consumer.reader)
+    return lease is not None and (now_ms is None or lease.expires_at_ms >= now_ms)
+
+
 def _put(state: ShardState, name: str, consumer: ConsumerState) -> Apply[ConsumerResult]:
     """The diff that stores ``consumer`` and moves the shard's since to the meet of the holds."""
     consumers = dict(state.consumers)
@@ -115,7 +127,13 @@ def _put(state: ShardState, name: str, consumer: ConsumerState) -> Apply[Consume
 
 
 def acquire_consumer(
-    state: ShardState, *, name: str, holder: str, now_ms: int, expiry_ms: int = 0
+    state: ShardState,
+    *,
+    name: str,
+    holder: str,
+    now_ms: int,
+    expiry_ms: int = 0,
+    reader_id: str = "",
 ) -> Outcome[ConsumerResult]:
     """Hold consumer ``name`` for ``holder``, creating it at the shard's since when absent.
 
@@ -123,6 +141,8 @@ def acquire_consumer(
     it is fenced from now on. The same holder acquiring again (a retry after
     a lost reply) gets the consumer as it is. An expired consumer is revived,
     its hold at least the shard's since (what it had not consumed may be gone).
+    ``reader_id``: the holder's leased reader, whose lease bounds the hold (see
+    :func:`is_held`).
     """
     validate_consumer_name(name)
     if expiry_ms < 0:
@@ -140,9 +160,11 @@ def acquire_consumer(
             committed_ms=0,
             expiry_ms=expiry_ms,
             acquired_ms=now_ms,
+            reader=reader_id,
         )
         return Apply(DiffBuilder(state).put_consumer(name, created).build(), created)
-    if current.holder == holder and not current.expired and current.expiry_ms == expiry_ms:
+    same = (current.holder, current.reader, current.expiry_ms) == (holder, reader_id, expiry_ms)
+    if same and not current.expired:
         return Refuse(current)
     acquired = replace(
         current,
@@ -152,6 +174,7 @@ def acquire_consumer(
         expiry_ms=expiry_ms,
         expired=False,
         acquired_ms=max(current.acquired_ms, now_ms),
+        reader=reader_id,
     )
     return _put(state, name, acquired)
 
@@ -237,7 +260,7 @@ def release_consumer(state: ShardState, *, name: str, epoch: int) -> Outcome[Con
         return Refuse(_unknown(state, name))
     if current.epoch != epoch or not current.holder:
         return Refuse(current)
-    released = replace(current, holder="")
+    released = replace(current, holder="", reader="")
     return Apply(DiffBuilder(state).put_consumer(name, released).build(), released)
 
 
@@ -253,8 +276,9 @@ def reset_consumer(
 ) -> Outcome[ConsumerResult]:
     """Move the consumer to ``position`` (times below ``upper`` consumed, holding ``since``).
 
-    Refused with ConsumerInUse while a query holds it, unless ``force`` (the
-    holder is then fenced: the epoch moves and nobody holds it); with
+    Refused with ConsumerInUse while a live query holds it (:func:`is_held` at
+    ``now_ms``), unless ``force`` (the holder is then fenced: the epoch moves
+    and nobody holds it); with
     InvalidFrontier when ``since`` is before the shard's since (that data is
     compacted away). The planned batches are forgotten; it may move back as
     far as the shard's since. ``now_ms`` restarts its expiry clock.
@@ -262,7 +286,7 @@ def reset_consumer(
     current = state.consumers.get(name)
     if current is None:
         return Refuse(_unknown(state, name))
-    if current.holder and not force:
+    if not force and is_held(state, current, now_ms or None):
         return Refuse(_held(state, name, current, "reset"))
     if since < state.since:
         return Refuse(
@@ -282,6 +306,7 @@ def reset_consumer(
         since=since,
         planned=(),
         holder="",
+        reader="",
         epoch=current.epoch + 1,
         expired=False,
         acquired_ms=max(current.acquired_ms, now_ms),
@@ -289,8 +314,11 @@ def reset_consumer(
     return _put(state, name, reset)
 
 
-def drop_consumer(state: ShardState, *, name: str, force: bool = False) -> Outcome[ConsumerResult]:
-    """Remove the consumer and its hold; refused with ConsumerInUse while held, unless ``force``.
+def drop_consumer(
+    state: ShardState, *, name: str, force: bool = False, now_ms: int | None = None
+) -> Outcome[ConsumerResult]:
+    """Remove the consumer and its hold; refused with ConsumerInUse while a live query holds
+    it (:func:`is_held` at ``now_ms``), unless ``force``.
 
     Answers with the consumer as it was. (A retry after a lost reply finds it
     gone: UnknownConsumer; the client tells that from a name never there.)
@@ -298,7 +326,7 @@ def drop_consumer(state: ShardState, *, name: str, force: bool = False) -> Outco
     current = state.consumers.get(name)
     if current is None:
         return Refuse(_unknown(state, name))
-    if current.holder and not force:
+    if not force and is_held(state, current, now_ms):
         return Refuse(_held(state, name, current, "dropped"))
     consumers = {k: v for k, v in state.consumers.items() if k != name}
     b = DiffBuilder(state).delete_consumer(name)

@@ -315,6 +315,10 @@ class ConsumerState:
     expired: bool = False
     acquired_ms: int = 0
     """Wall ms of the last acquire (or reset): with ``committed_ms``, what expiry measures from."""
+    reader: str = ""
+    """The leased reader of the query holding it (``""``: none named): the holder counts as
+    live only while that reader's lease does, so a query that died or stopped without
+    releasing (PySpark never calls a stopped source's ``stop``) stops holding it."""
 
     @property
     def active_ms(self) -> int:
@@ -339,6 +343,8 @@ class ConsumerState:
             out["expired"] = True
         if self.acquired_ms:
             out["acquired"] = self.acquired_ms
+        if self.reader:
+            out["reader"] = self.reader
         return out
 
     @classmethod
@@ -357,6 +363,7 @@ class ConsumerState:
                 expiry_ms=int(d.get("expiry", 0)),
                 expired=bool(d.get("expired", False)),
                 acquired_ms=int(d.get("acquired", 0)),
+                reader=str(d.get("reader", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptData(f"malformed consumer {dict(d)!r}: {e}") from e

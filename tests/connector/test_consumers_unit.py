@@ -19,7 +19,8 @@ from test_source_unit import Env, consolidated, drain, micro_batch, read_all, sn
 
 from pyspark_persist.offsets import Offset, offset_json
 from pyspark_persist.options import PersistOptions
-from pyspark_persist.state.errors import ConsumerFenced, InvalidUsage
+from pyspark_persist.state.commands import expire_leased_readers
+from pyspark_persist.state.errors import ConsumerFenced, ConsumerInUse, InvalidUsage
 
 LIMIT = ReadMaxRows(100)
 """One written batch of 100 rows per micro-batch."""
@@ -95,6 +96,22 @@ def test_the_older_of_two_queries_with_one_consumer_is_fenced_naming_both() -> N
     assert env.shard.consumers()["c"].holder == holders[1]
     assert position(env) == offset_json(Offset.from_dict(done, env.base["shard"]))
     newer.stop()
+
+
+def test_a_query_gone_without_stop_no_longer_holds_once_its_lease_is_gone() -> None:
+    """PySpark ends a stopped query's reader without calling stop(): the consumer counts as
+    held only while the query's leased reader lives, so a reset needs no force after."""
+    env = env_with(1)
+    dead = env.reader(consumer="c")
+    end, _, _ = micro_batch(dead, dead.initialOffset(), LIMIT)
+    with pytest.raises(ConsumerInUse, match="stop that query first"):
+        env.shard.drop_consumer("c")
+    readers = tuple(env.shard.state().leased_readers)
+    env.shard.machine.run(lambda s: expire_leased_readers(s, reader_ids=readers))
+    env.shard.reset_consumer("c", position="", upper=0, since=env.shard.since)
+    with pytest.raises(ConsumerFenced, match="held by nobody"):
+        dead.commit(end)
+    assert position(env) == ""
 
 
 def test_a_consumer_holds_since_against_retention_until_it_reads_on() -> None:

@@ -18,7 +18,13 @@ import pytest
 from pyspark_persist.state import PersistClient, Shard
 from pyspark_persist.state.blob import open_blob
 from pyspark_persist.state.cache import StateCache
-from pyspark_persist.state.commands import Apply, Outcome, Refuse, heartbeat_leased_reader
+from pyspark_persist.state.commands import (
+    Apply,
+    Outcome,
+    Refuse,
+    expire_leased_readers,
+    heartbeat_leased_reader,
+)
 from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.consumers import (
     ConsumerState,
@@ -27,6 +33,7 @@ from pyspark_persist.state.consumers import (
     consumer_lag,
     drop_consumer,
     expire_consumers,
+    is_held,
     plan_consumer_batch,
     release_consumer,
     reset_consumer,
@@ -182,6 +189,22 @@ def test_release_reset_and_drop() -> None:
     assert isinstance(unknown, UnknownConsumer) and "'c'" in str(unknown)
     with pytest.raises(UnknownConsumer):
         consumer_lag(s3, "c")
+
+
+def test_a_holder_whose_reader_lease_is_gone_no_longer_holds_it() -> None:
+    """PySpark never calls a stopped source's stop(): the query's leased reader bounds its hold,
+    so reset and drop need no force once that lease ran out or the reader was expired."""
+    lease = LeasedReaderState(since=10, seqno=5, last_heartbeat_ms=0, lease_duration_ms=1000)
+    s = shard(leased_readers=MappingProxyType({"r": lease}))
+    s, c = applied(acquire_consumer(s, name="c", holder=A, now_ms=0, reader_id="r"), s)
+    assert is_held(s, c, now_ms=1000) and not is_held(s, c, now_ms=1001)
+    assert isinstance(refused(drop_consumer(s, name="c", now_ms=1000)), ConsumerInUse)
+    reset = dict(name="c", position="p", upper=50, since=49, now_ms=1001)
+    _, after = applied(reset_consumer(s, **reset), s)  # type: ignore[arg-type]
+    assert (after.holder, after.reader, after.epoch) == ("", "", 2)
+    gone = applied(expire_leased_readers(s, reader_ids=("r",)), s)[0]
+    assert not is_held(gone, c)
+    assert applied(drop_consumer(gone, name="c"), gone)[0].consumers == {}
 
 
 def test_lag_counts_what_lies_past_the_consumers_upper() -> None:
