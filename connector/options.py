@@ -278,7 +278,8 @@ OPTIONS: tuple[OptionName, ...] = (
             "append one JSON line per micro-batch to this local file: its end offset, "
             "`latest_offset_ms` (`waited_ms` of it spent waiting for a PubSub commit notice), "
             "`partitions_ms`, tasks, parts, rows and bytes planned, and `behind` (see "
-            "[Lag](spark.md#lag)), e.g. `/tmp/q1-source.jsonl`",
+            "[Lag](spark.md#lag)); with `consumer`, its name and `consumer_behind`, e.g. "
+            "`/tmp/q1-source.jsonl`",
         ),
     ),
     OptionName(

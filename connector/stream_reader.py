@@ -76,6 +76,7 @@ from pyspark_persist.state import (
     ReadLimits,
     Shard,
     ShardState,
+    behind,
     conform_columns,
     decode_schema,
     iter_parts,
@@ -204,9 +205,14 @@ class HoldUpdater:
 class ConsumerLink:
     """A query's hold on a named consumer: the driver-side I/O of ``state/consumers.py``.
 
-    One compare-and-set when the query starts (acquire), one per micro-batch
-    planned (``latestOffset``) and one per commit; whether it was fenced is
-    read from the state ``latestOffset`` reads anyway, so no extra Consensus read.
+    A micro-batch must be recorded as planned before its tasks run (so a query resuming
+    without its checkpoint replays it, not another range), and its position advanced
+    once Spark commits it. Spark plans micro-batch N (``latestOffset``), then commits
+    N - 1 (``commit``), then runs N (``partitions``): so ``commit`` records both in one
+    compare-and-set, and ``partitions`` writes the plan only when no commit came
+    between (a query's first micro-batch, one Spark re-runs from its offset log).
+    ``latestOffset`` writes nothing; whether the query was fenced is read from the
+    state it reads anyway.
     """
 
     def __init__(self, shard: Shard, name: str, expiry_ms: int, reader_id: str) -> None:
@@ -221,6 +227,9 @@ class ConsumerLink:
         acquired = shard.acquire_consumer(name, self.holder, expiry_ms, reader_id=reader_id)
         self.epoch = acquired.epoch
         self.position = acquired.position
+        self._planned = acquired.planned
+        self._next: tuple[str, str] | None = None
+        """The micro-batch ``latestOffset`` planned last, not yet recorded."""
 
     def current(self, state: ShardState) -> ConsumerState:
         """The consumer in ``state``, if this query still holds it; else ConsumerFenced naming
@@ -230,29 +239,42 @@ class ConsumerLink:
             raise UnknownConsumer(state.shard_id, self.name, tuple(sorted(state.consumers)))
         if consumer.epoch != self.epoch:
             raise ConsumerFenced(state.shard_id, self.name, consumer.holder, self.holder)
+        self._planned = consumer.planned
         return consumer
 
-    def plan(self, start: Offset, end: Offset) -> None:
-        """Record the micro-batch ``(start, end]`` as planned past the position."""
-        self._shard.plan_consumer_batch(
-            self.name,
-            self.epoch,
-            offsets.offset_json(start),
-            offsets.offset_json(end),
-            holder=self.holder,
+    def planned(self, start: Offset, end: Offset) -> None:
+        """``latestOffset`` planned the micro-batch ``(start, end]``: record it with the next
+        commit (or at ``partitions``, whichever comes first)."""
+        batch = (offsets.offset_json(start), offsets.offset_json(end))
+        self._next = None if batch in self._planned else batch
+
+    def ensure_planned(self, start: Offset, end: Offset) -> None:
+        """Before the micro-batch ``(start, end]`` runs: recorded as planned, now if not yet."""
+        batch = (offsets.offset_json(start), offsets.offset_json(end))
+        if batch in self._planned:
+            return
+        recorded = self._shard.plan_consumer_batch(
+            self.name, self.epoch, *batch, holder=self.holder
         )
+        self._planned, self._next = recorded.planned, None
 
     def advance(self, end: Offset) -> None:
-        """Spark committed every micro-batch up to ``end``: move the position (and hold) there."""
+        """Spark committed every micro-batch up to ``end``: move the position (and hold) there,
+        recording the micro-batch planned after it in the same step."""
         self.position = offsets.offset_json(end)
-        self._shard.advance_consumer(
+        plan = self._next if self._next is not None and self._next[0] == self.position else None
+        advanced = self._shard.advance_consumer(
             self.name,
             self.epoch,
             position=self.position,
             upper=offsets.consumed_upper(end),
             since=offsets.since_after(end) or 0,
             holder=self.holder,
+            plan=plan,
         )
+        self._planned = advanced.planned
+        if plan is not None:
+            self._next = None
 
     def release(self) -> None:
         """The query stops: let go of the consumer (a no-op once fenced)."""
@@ -455,7 +477,7 @@ class LeaseHolder:
         if end is None:
             end = offsets.next_offset(state, start, _read_limits(limit), self.available_now_upper)
             if end != start:
-                self.consumer.plan(start, end)
+                self.consumer.planned(start, end)
         return end
 
     def report_latest(self) -> dict[str, Any]:
@@ -486,6 +508,8 @@ class LeaseHolder:
     def _plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         self.holds.check()
         offsets.check_incarnation(self.machine.incarnation, start, end)
+        if self.consumer is not None and start != end:
+            self.consumer.ensure_planned(start, end)
         if offsets.reads_nothing(start, end):
             return []
         state = self.machine.state()
@@ -559,6 +583,11 @@ class LeaseHolder:
             "upper": state.upper,
             "behind": offsets.behind_end(state, end).to_dict(),
         }
+        if self.consumer is not None and self.consumer.name in state.consumers:
+            # What the consumer has left to read from its committed position.
+            line["consumer"] = self.consumer.name
+            committed = state.consumers[self.consumer.name].upper
+            line["consumer_behind"] = behind(state, committed).to_dict()
         log.info("persist source micro-batch %s", json.dumps(line, sort_keys=True))
         if self._opts.metrics_file:
             with self._lock, open(self._opts.metrics_file, "a", encoding="utf-8") as f:

@@ -67,10 +67,19 @@ class ConsumerMethods:
         )
 
     def advance_consumer(
-        self, name: str, epoch: int, *, position: str, upper: Time, since: Time, holder: str = ""
+        self,
+        name: str,
+        epoch: int,
+        *,
+        position: str,
+        upper: Time,
+        since: Time,
+        holder: str = "",
+        plan: tuple[str, str] | None = None,
     ) -> ConsumerState:
         """Record that everything up to ``position`` was consumed (times below ``upper``), hold
-        ``since``; ConsumerFenced when ``epoch`` is no longer the consumer's."""
+        ``since``, and plan the micro-batch ``plan`` in the same step; ConsumerFenced when
+        ``epoch`` is no longer the consumer's."""
         now = self.machine.clock_ms()
         return self._run(
             lambda s: cmds.advance_consumer(
@@ -82,6 +91,7 @@ class ConsumerMethods:
                 upper=upper,
                 since=since,
                 now_ms=now,
+                plan=plan,
             )
         )
 

@@ -197,14 +197,24 @@ def plan_consumer_batch(
         return Refuse(_unknown(state, name))
     if current.epoch != epoch:
         return Refuse(_fenced(state, name, current, holder))
-    if any(s == start for s, _ in current.planned):
+    chain = _chain(current.planned, (start, end))
+    if chain == current.planned:
         return Refuse(current)
-    chain = list(current.planned)
-    ends = [e for _, e in chain]
-    chain = chain[: ends.index(start) + 1] if start in ends else []
-    chain.append((start, end))
-    updated = replace(current, planned=tuple(chain))
+    updated = replace(current, planned=chain)
     return Apply(DiffBuilder(state).put_consumer(name, updated).build(), updated)
+
+
+Planned = tuple[tuple[str, str], ...]
+
+
+def _chain(planned: Planned, batch: tuple[str, str]) -> Planned:
+    """``planned`` with ``batch`` planned (see :func:`plan_consumer_batch`): unchanged when a
+    batch with its start is there; after the one it follows, or alone."""
+    start = batch[0]
+    if any(s == start for s, _ in planned):
+        return planned
+    ends = [e for _, e in planned]
+    return (*planned[: ends.index(start) + 1], batch) if start in ends else (batch,)
 
 
 def advance_consumer(
@@ -217,6 +227,7 @@ def advance_consumer(
     upper: Time,
     since: Time,
     now_ms: int,
+    plan: tuple[str, str] | None = None,
 ) -> Outcome[ConsumerResult]:
     """Record that everything up to ``position`` (times below ``upper``) was consumed.
 
@@ -224,8 +235,11 @@ def advance_consumer(
     Spark's ``commit``). Its hold moves up to ``since`` (never back), the
     planned batches before the one that starts at ``position`` are dropped
     (all of them when none does), and the shard's since moves to the meet of
-    every hold. Refused with ConsumerFenced when ``epoch`` is not the
-    consumer's; an advance already recorded (a retry) is answered as it is.
+    every hold. ``plan``: the next micro-batch's ``(start, end)``, planned in
+    the same step as by :func:`plan_consumer_batch` (Spark commits a micro-batch
+    after it planned the next, so one compare-and-set records both). Refused
+    with ConsumerFenced when ``epoch`` is not the consumer's; an advance
+    already recorded (a retry) is answered as it is.
     """
     current = state.consumers.get(name)
     if current is None:
@@ -234,10 +248,12 @@ def advance_consumer(
         return Refuse(_fenced(state, name, current, holder))
     starts = [s for s, _ in current.planned]
     planned = current.planned[starts.index(position) :] if position in starts else ()
+    if plan is not None:
+        planned = _chain(planned, plan)
     new_since = max(current.since, since)
-    if (current.position, current.upper, current.since) == (position, upper, new_since):
-        if current.planned == planned:
-            return Refuse(current)
+    held = (current.position, current.upper, current.since, current.planned)
+    if held == (position, upper, new_since, planned):
+        return Refuse(current)
     advanced = replace(
         current,
         since=new_since,

@@ -151,6 +151,16 @@ def test_advance_moves_position_hold_and_the_shards_since_and_is_idempotent() ->
     assert isinstance(refused(advance_consumer(s3, **adv)), ConsumerFenced)  # type: ignore[arg-type]
 
 
+def test_an_advance_records_the_next_planned_batch_in_the_same_step() -> None:
+    """Spark commits micro-batch N after it planned N + 1: one diff records both."""
+    s = held(shard())
+    s = applied(plan_consumer_batch(s, name="c", epoch=1, holder=A, start="o0", end="o1"), s)[0]
+    adv = dict(name="c", epoch=1, holder=A, position="o1", upper=40, since=39, now_ms=1)
+    s1, c = applied(advance_consumer(s, **adv, plan=("o1", "o2")), s)  # type: ignore[arg-type]
+    assert (c.position, c.planned) == ("o1", (("o1", "o2"),))
+    assert refused(advance_consumer(s1, **adv, plan=("o1", "o2"))) == c  # type: ignore[arg-type]
+
+
 def test_every_since_computation_counts_unexpired_consumers() -> None:
     """A leased reader moving on cannot move since past a consumer's hold, nor can retention;
     once the consumer expires its hold stops counting."""
