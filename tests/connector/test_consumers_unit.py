@@ -14,13 +14,19 @@ from collections import Counter
 
 import pytest
 from pyspark.sql.streaming.datasource import ReadMaxRows
-from source_helpers import rows
+from source_helpers import SCHEMA, rows
 from test_source_unit import Env, consolidated, drain, micro_batch, read_all, snapshot
 
 from pyspark_persist.offsets import Offset, offset_json
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.state.commands import expire_leased_readers
-from pyspark_persist.state.errors import ConsumerFenced, ConsumerInUse, InvalidUsage
+from pyspark_persist.state.drop import drop_shard
+from pyspark_persist.state.errors import (
+    ConsumerFenced,
+    ConsumerInUse,
+    InvalidUsage,
+    ShardDropped,
+)
 
 LIMIT = ReadMaxRows(100)
 """One written batch of 100 rows per micro-batch."""
@@ -131,6 +137,25 @@ def test_a_consumer_holds_since_against_retention_until_it_reads_on() -> None:
     delivered = first + [r for b in rest for r in b]
     assert consolidated(delivered) == snapshot(env)
     resumed.stop()
+
+
+def test_a_consumer_of_a_dropped_shard_ends_with_shard_dropped() -> None:
+    """The shard is dropped and created again: the running query fails with ShardDropped at
+    its next call; the new shard has no consumer, so the name starts afresh there."""
+    env = env_with(1)
+    running = env.reader(consumer="c")
+    end, _, _ = micro_batch(running, running.initialOffset(), LIMIT)
+    name = env.base["shard"]
+    drop_shard(env.client.consensus, env.client.blob, name, now_ms=0, force=True)
+    again = env.client.open_shard(name, SCHEMA)
+    again.writer().compare_and_append(rows(range(10)), 0, 1)
+    with pytest.raises(ShardDropped):
+        running.latestOffset(end, LIMIT)
+    with pytest.raises(ShardDropped):
+        running.commit(end)
+    fresh = env.reader(consumer="c")
+    assert fresh.initialOffset()["phase"] == "snapshot" and again.consumers()["c"].position == ""
+    fresh.stop()
 
 
 @pytest.mark.parametrize("name", ["to pg", "a/b", "", "x" * 129])
