@@ -53,11 +53,11 @@ __all__ = [
     "ConsumerResult",
     "ConsumerState",
     "acquire_consumer",
-    "is_held",
     "advance_consumer",
     "consumer_lag",
     "drop_consumer",
     "expire_consumers",
+    "is_held",
     "plan_consumer_batch",
     "raise_refusal",
     "release_consumer",
@@ -68,14 +68,17 @@ __all__ = [
 ConsumerResult = ConsumerState | PersistError
 """What a consumer command answers: the consumer as it now is, or the error refusing it."""
 
+Planned = tuple[tuple[str, str], ...]
+"""A consumer's planned micro-batches: ``(start, end)`` offsets, a chain from its position."""
+
 T = TypeVar("T")
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 def validate_consumer_name(name: object) -> str:
     """A consumer name is a key of the shard's state: 1 to 128 letters, digits, '-', '_', '.'."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise InvalidUsage(
             f"invalid consumer name {name!r}: use 1 to 128 letters, digits, '-', '_' or '.' "
             "(e.g. 'to-pg'); nothing was written"
@@ -202,9 +205,6 @@ def plan_consumer_batch(
         return Refuse(current)
     updated = replace(current, planned=chain)
     return Apply(DiffBuilder(state).put_consumer(name, updated).build(), updated)
-
-
-Planned = tuple[tuple[str, str], ...]
 
 
 def _chain(planned: Planned, batch: tuple[str, str]) -> Planned:

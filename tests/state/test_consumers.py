@@ -114,7 +114,7 @@ def test_acquire_creates_at_the_shards_since_and_a_second_holder_fences_the_firs
 
 
 def test_bad_names_are_refused_before_anything_is_written() -> None:
-    for bad in ("", "a/b", "x" * 129, "to pg", "é"):
+    for bad in ("", "a/b", "x" * 129, "to pg", "é", "c\n"):
         with pytest.raises(InvalidUsage, match="letters, digits"):
             acquire_consumer(shard(), name=bad, holder=A, now_ms=0)
     assert validate_consumer_name("to-pg_1.v2") == "to-pg_1.v2"
