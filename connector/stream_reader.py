@@ -19,10 +19,10 @@ is stateless: the
 
 With the ``consumer`` option the lease holder also holds a named consumer
 (:class:`ConsumerLink`, over :mod:`pyspark_persist.state.consumers`): it
-acquires it when the query starts, records each micro-batch ``latestOffset``
-plans, replays a planned one when asked for the same start (a query resuming
-without its checkpoint, from the consumer's position), and advances it in
-``commit`` only, after Spark committed the micro-batch.
+acquires it when the query starts, records each micro-batch as planned before
+its tasks run, replays a planned one when asked for the same start (a query
+resuming without its checkpoint, from the consumer's position), and advances
+it in ``commit`` only, after Spark committed the micro-batch.
 """
 
 from __future__ import annotations
