@@ -18,6 +18,7 @@ from .cache import PROCESS_CACHE, StateCache
 from .commands import CriticalSince, create_shard
 from .config import PersistConfig
 from .consensus import CaSCommitted, Consensus, VersionedData, open_consensus
+from .consumer_client import ConsumerMethods
 from .diff import TOMBSTONE, encode
 from .errors import (
     Indeterminate,
@@ -333,8 +334,9 @@ class PersistClient:
         self.close()
 
 
-class Shard:
-    """A handle to one shard: its schema, frontiers, and factories for writers and readers."""
+class Shard(ConsumerMethods):
+    """A handle to one shard: its schema, frontiers, factories for writers and readers, and its
+    named consumers (the methods of :class:`~.consumer_client.ConsumerMethods`)."""
 
     def __init__(self, client: PersistClient, machine: Machine) -> None:
         self.client = client

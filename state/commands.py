@@ -21,6 +21,7 @@ from .schema import decode_schema, encode_schema, evolve_schema
 from .state import (
     EMPTY_STATE,
     Batch,
+    ConsumerState,
     CriticalReaderState,
     LeasedReaderState,
     PartRef,
@@ -203,16 +204,27 @@ def add_rollup(state: ShardState, *, seqno: int, key: str) -> Outcome[bool]:
     return Apply(diff, True)
 
 
-def _since(
+def meet_since(
     state: ShardState,
     leased: Mapping[str, LeasedReaderState] | None = None,
     critical: Mapping[str, CriticalReaderState] | None = None,
+    consumers: Mapping[str, ConsumerState] | None = None,
 ) -> Time:
-    """The shard's since after a reader change: the meet of every hold, never going back."""
+    """The shard's since after a reader change: the meet of every hold, never going back.
+
+    Every hold counts: leased readers, critical readers and the named consumers that have
+    not expired (an expired consumer stops holding data, see :mod:`.consumers`).
+    """
     lr = state.leased_readers if leased is None else leased
     cr = state.critical_readers if critical is None else critical
     holds = [r.since for r in lr.values()] + [r.since for r in cr.values()]
+    holds += consumer_holds(state.consumers if consumers is None else consumers)
     return max(state.since, min(holds)) if holds else state.since
+
+
+def consumer_holds(consumers: Mapping[str, ConsumerState]) -> list[Time]:
+    """The since holds of the consumers that still hold data (every one not expired)."""
+    return [c.since for c in consumers.values() if not c.expired]
 
 
 def register_leased_reader(
@@ -255,7 +267,7 @@ def heartbeat_leased_reader(
     b = DiffBuilder(state).put_leased_reader(reader_id, updated)
     leased = dict(state.leased_readers)
     leased[reader_id] = updated
-    b.set(since=_since(state, leased=leased))
+    b.set(since=meet_since(state, leased=leased))
     return Apply(b.build(), updated)
 
 
@@ -272,7 +284,7 @@ def expire_leased_readers(
     for r in gone:
         b.delete_leased_reader(r)
     leased = {r: s for r, s in state.leased_readers.items() if r not in gone}
-    b.set(since=_since(state, leased=leased))
+    b.set(since=meet_since(state, leased=leased))
     return Apply(b.build(), tuple(sorted(gone)))
 
 
@@ -319,7 +331,7 @@ def compare_and_downgrade_since(
     critical = dict(state.critical_readers)
     critical[reader_id] = updated
     b = DiffBuilder(state).put_critical_reader(reader_id, updated)
-    b.set(since=_since(state, critical=critical))
+    b.set(since=meet_since(state, critical=critical))
     return Apply(b.build(), CriticalSince(ok=True, current=updated))
 
 

@@ -47,7 +47,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import commands, retention
+from . import commands, consumers, retention
 from .blob import BlobMeta
 from .columns import int_scalar
 from .config import PersistConfig
@@ -172,14 +172,17 @@ class GcReport:
     orphans_deleted: int
     readers_expired: tuple[str, ...]
     writers_expired: tuple[str, ...] = ()
+    consumers_expired: tuple[str, ...] = ()
+    """Named consumers idle past their expiry: they stopped holding data (state/consumers.py)."""
 
 
 @traced("gc")
 def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) -> GcReport:
-    """Expire stale readers and idle writers, advance since by the shard's retention, delete
-    unreferenced parts and rollups, truncate Consensus."""
+    """Expire stale readers, idle writers and idle consumers, advance since by the shard's
+    retention, delete unreferenced parts and rollups, truncate Consensus."""
     now = machine.clock_ms()
     expired = machine.run(lambda s: commands.expire_leased_readers(s, now_ms=now))
+    idle = machine.run(lambda s: consumers.expire_consumers(s, now_ms=now))
     idle_ms = int(machine.config.writer_idle_expiry_s * 1000)
     writers = machine.run(lambda s: commands.expire_writers(s, now_ms=now, idle_ms=idle_ms))
     machine.run(lambda s: retention.advance_since(s, now_ms=now))
@@ -187,11 +190,11 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
     seqno_since = state.seqno_since
     claimed = machine.run(lambda s: commands.claim_gc(s, seqno_since=seqno_since))
     if not claimed and not force and not sweep_orphans:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers, idle)
     shard = machine.shard_id
     history = read_history(machine.shard_id, machine.consensus, machine.blob)
     if history is None:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers, idle)
     start, pending, first = history
     walk = gc_walk(start, pending, seqno_since)
     garbage, live, keep, at_since = walk.garbage, walk.live, walk.keep, walk.at_since
@@ -220,7 +223,9 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         truncated,
         swept,
     )
-    return GcReport(seqno_since, len(garbage), len(removed), truncated, swept, expired, writers)
+    return GcReport(
+        seqno_since, len(garbage), len(removed), truncated, swept, expired, writers, idle
+    )
 
 
 def _sweep_orphans(

@@ -8,7 +8,7 @@ compaction folds older updates into the state at since and GC deletes the
 parts they replace.
 
 What a registered reader has not read is never dropped: since stops at the
-lowest reader hold (leased or critical), and at ``upper - 1`` so the latest
+lowest reader hold (leased, critical or a named consumer's), and at ``upper - 1`` so the latest
 complete time stays readable. That is the difference from Delta Lake's
 retention, which deletes a lagging reader's files: here a reader that falls
 behind keeps its data, and storage grows by what it has not read until it
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 
-from .commands import Apply, Outcome, Refuse
+from .commands import Apply, Outcome, Refuse, consumer_holds
 from .diff import DiffBuilder
 from .errors import InvalidUsage
 from .state import Batch, ShardState, Time
@@ -94,11 +94,13 @@ def set_retention(state: ShardState, *, retention_ms: int) -> Outcome[int]:
 
 def retention_since(state: ShardState, now_ms: int) -> Time:
     """The since retention allows at ``now_ms``: ``now - retention``, held back by every
-    reader's since and by ``upper - 1``, and never below the current since."""
+    reader's since (unexpired consumers' too) and by ``upper - 1``, and never below the
+    current since."""
     if state.retention_ms <= 0:
         return state.since
     holds = [r.since for r in state.leased_readers.values()]
     holds += [r.since for r in state.critical_readers.values()]
+    holds += consumer_holds(state.consumers)
     target = min([now_ms - state.retention_ms, state.upper - 1, *holds])
     return max(state.since, target)
 

@@ -316,6 +316,7 @@ KERNEL: dict[str, str] = {
     "state/commands.py": "every state transition: (state, arguments) -> diff or refusal; the "
     "caller passes the time",
     "state/retention.py": "the since retention allows, a command of the state and the caller's now",
+    "state/consumers.py": "named consumers' transitions: (state, arguments) -> diff or refusal",
     "state/config.py": "the knobs: a validated frozen value",
     "state/times.py": "times parsed and checked against frontiers; it never reads the clock",
     "state/planning.py": "which parts answer a read (plan_read), split over tasks; LeasedPart",
