@@ -126,6 +126,7 @@ from .schema import (
 from .staging import BatchBuilder, StagedBatch
 from .state import PartRef, ShardState, Time
 from .times import check_readable, describe, parse_time
+from .txn_commit import Txn
 from .updates import consolidate, repeat_by_diff
 from .write import WriteHandle, abandon_staged
 
@@ -168,6 +169,7 @@ __all__ = [
     "Snapshot",
     "StagedBatch",
     "Time",
+    "Txn",
     "UpperMismatch",
     "WriteHandle",
     "abandon_staged",
