@@ -103,6 +103,8 @@ class Txn:
         self._done = False
         self.already_committed = False
         """Set by :meth:`commit` when the token had landed before (nothing was applied)."""
+        self.commit_time: Time | None = None
+        """What :meth:`commit` returned (for a transaction committed by its ``with`` block)."""
 
     def __enter__(self) -> Txn:
         return self
@@ -205,11 +207,9 @@ class Txn:
         except BaseException:
             self._give_up()
             raise
-        if isinstance(outcome, TxnAlreadyCommitted):
-            self.already_committed = True
-            self._clean_up(landed=False)
-            return outcome.time
-        self._clean_up(landed=True)
+        self.already_committed = isinstance(outcome, TxnAlreadyCommitted)
+        self._clean_up(landed=not self.already_committed)
+        self.commit_time = outcome.time
         return outcome.time
 
     def _commit(self, deadline: float) -> TxnPlan | TxnAlreadyCommitted:
@@ -325,8 +325,8 @@ class Txn:
         is read from Consensus."""
         for m in self._members.values():
             share = m.share if landed else None
-            current = set() if share is None else {*share.parts, *share.tombstones}
-            extra = [p for p in m.staged if p not in current]
+            current = set() if share is None else {p.key for p in share.parts + share.tombstones}
+            extra = [p for p in m.staged if p.key is not None and p.key not in current]
             if m.unknown_seqno and not landed:
                 extra = unreferenced(m.machine, extra, after_seqno=m.unknown_seqno)
             _delete(m.machine, extra)
