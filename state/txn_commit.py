@@ -36,12 +36,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import pyarrow as pa
 
 from . import retry
-from .consensus import CaSCommitted, CaSOp, VersionedData
+from .config import PersistConfig
+from .consensus import CaSCommitted, CaSOp, Consensus, VersionedData
 from .diff import encode
 from .errors import Determinate, Indeterminate, InvalidUpdates, InvalidUsage, PersistError
 from .machine import Machine
@@ -53,13 +54,22 @@ from .upsert import KnownRows, part_format, plan_attempt
 from .upsert_input import UpsertWrite, prepare_delete, prepare_upsert
 from .write import abandon_staged, check_staged, unreferenced
 
-if TYPE_CHECKING:
-    from .client import PersistClient
-
 log = logging.getLogger(__name__)
 
 _CONTENTION = retry.RetryPolicy(first_backoff_s=0.001, max_backoff_s=0.25)
 """Backoff between compare-and-set attempts (as a single shard's machine)."""
+
+
+class Shards(Protocol):
+    """Where a transaction's shards are: what it needs of a
+    :class:`~.client.PersistClient` (which this module does not import: the client imports it)."""
+
+    consensus: Consensus
+    config: PersistConfig
+
+    def machine(self, shard_id: str) -> Machine:
+        """The machine of ``shard_id``."""
+        ...
 
 
 @dataclass
@@ -90,7 +100,7 @@ class Txn:
     own and claims no idempotency across objects or restarts.
     """
 
-    def __init__(self, client: PersistClient, writer_id: str | None, token: int | None) -> None:
+    def __init__(self, client: Shards, writer_id: str | None, token: int | None) -> None:
         if token is not None and token < 0:
             raise InvalidUsage(f"transaction token {token} must be 0 or more")
         self._client = client
