@@ -31,6 +31,7 @@ participant must live in one Consensus store (they do: a client has one).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -96,17 +97,20 @@ class Txn:
 
     ``writer_id`` and ``token`` make it idempotent as a plain write's are
     (:class:`~.write.WriteHandle`): a transaction resent with the same pair
-    applies nothing. Without a token it is numbered under an identity of its
-    own and claims no idempotency across objects or restarts.
+    applies nothing. Without a token it is numbered at its commit under an
+    identity of the committing thread's own (``<writer_id>.auto-<random>``:
+    one writer entry per thread, not per transaction, so shards' writer maps
+    stay small), and claims no idempotency across objects or restarts.
     """
 
     def __init__(self, client: Shards, writer_id: str | None, token: int | None) -> None:
         if token is not None and token < 0:
             raise InvalidUsage(f"transaction token {token} must be 0 or more")
         self._client = client
-        base = writer_id or f"txn-{uuid.uuid4().hex}"
-        self.writer_id = base if token is not None else f"{base}.auto-{uuid.uuid4().hex[:16]}"
-        self.token = token if token is not None else 1
+        self.writer_id = writer_id or "txn"
+        """Who commits: ``writer_id``, or without a token the automatic identity (at commit)."""
+        self.token = token
+        """The idempotency token (without one given: the automatic one, at commit)."""
         self.txn_id = uuid.uuid4().hex[:16]
         """This transaction's id: recorded on its commit in every shard it writes."""
         self._members: dict[str, _Member] = {}
@@ -211,6 +215,8 @@ class Txn:
         if not self._members:
             raise InvalidUsage("the transaction names no shard: append or upsert first")
         self._done = True
+        if self.token is None:
+            self.writer_id, self.token = _auto_identity(self.writer_id)
         try:
             with retry.deadline_in(self._client.config.retry_timeout_s) as deadline:
                 outcome = self._commit(deadline)
@@ -224,6 +230,7 @@ class Txn:
 
     def _commit(self, deadline: float) -> TxnPlan | TxnAlreadyCommitted:
         members = self._members
+        assert self.token is not None
         self._stage_appends()
         states = {s: m.machine.state() for s, m in members.items()}
         backoff = retry.Backoff(_CONTENTION)
@@ -350,6 +357,23 @@ class Txn:
                 abandon_staged(m.machine, m.staged)
             else:
                 _delete(m.machine, m.staged)
+
+
+_AUTO = threading.local()
+"""Per thread: the automatic identity of each writer id, and its last token."""
+
+
+def _auto_identity(writer_id: str) -> tuple[str, int]:
+    """The committing thread's automatic identity under ``writer_id`` and its next token.
+
+    Per thread, because a thread commits one transaction after another, so its
+    tokens land in the order they are drawn (two threads drawing from one
+    counter could land 6 before 5, and 5 would then be taken for a resend).
+    """
+    idents: dict[str, tuple[str, int]] = _AUTO.__dict__.setdefault("idents", {})
+    name, last = idents.get(writer_id) or (f"{writer_id}.auto-{uuid.uuid4().hex[:16]}", 0)
+    idents[writer_id] = (name, last + 1)
+    return name, last + 1
 
 
 def _builder(machine: Machine, state: ShardState, schema: pa.Schema) -> BatchBuilder:

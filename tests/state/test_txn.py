@@ -375,3 +375,30 @@ def test_concurrent_transactions_and_appends_read_as_a_serial_history(
     for op, (at, pair) in commits.items():
         for s in pair:
             assert op in ids_at(client, s, at) and op not in ids_at(client, s, at - 1)
+
+
+def test_without_a_token_each_thread_keeps_one_writer_entry(
+    hooked: tuple[PersistClient, Hooked],
+) -> None:
+    """Tokenless transactions all land, each once, and a shard's writers map grows by one
+    entry per committing thread, not one per transaction."""
+    client, _ = hooked
+    a, b = names(2)
+    for s in (a, b):
+        client.open_shard(s, SCHEMA)
+
+    def commit_some(start: int) -> None:
+        for i in range(start, start + 5):
+            with client.txn(writer_id="loader") as t:
+                t.append(a, rows([i]))
+                t.append(b, rows([i]))
+
+    commit_some(0)
+    thread = threading.Thread(target=commit_some, args=(100,))
+    thread.start()
+    thread.join()
+    expected = [*range(5), *range(100, 105)]
+    assert ids_at(client, a) == expected and ids_at(client, b) == expected
+    for s in (a, b):
+        writers = client.open_shard(s).state().writers
+        assert len(writers) == 2 and all(w.startswith("loader.auto-") for w in writers)
