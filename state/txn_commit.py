@@ -220,6 +220,16 @@ class Txn:
         try:
             with retry.deadline_in(self._client.config.retry_timeout_s) as deadline:
                 outcome = self._commit(deadline)
+        except Determinate as e:
+            self._give_up()
+            if not any(m.unknown_seqno for m in self._members.values()):
+                raise
+            # An earlier attempt may have landed: a "surely did not happen" error would lie.
+            raise Indeterminate(
+                f"transaction {self.txn_id}: the outcome is unknown: a commit attempt lost its "
+                f"reply and may have landed, and finding out failed: {e}. Resend it with the "
+                "same writer id and token to learn whether it did"
+            ) from e
         except BaseException:
             self._give_up()
             raise

@@ -32,6 +32,7 @@ from pyspark_persist.state.errors import (
     InvalidUsage,
     SchemaMismatch,
     ShardDropped,
+    StoreUnavailable,
 )
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 
@@ -402,3 +403,62 @@ def test_without_a_token_each_thread_keeps_one_writer_entry(
     for s in (a, b):
         writers = client.open_shard(s).state().writers
         assert len(writers) == 2 and all(w.startswith("loader.auto-") for w in writers)
+
+
+def test_compaction_retention_and_gc_keep_transactions_whole(uris: tuple[str, str]) -> None:
+    """With a retention period (since follows the clock) and maintenance on, many small
+    transactions are compacted and collected like plain writes: afterwards every shard reads
+    each transaction once, a reader as of any time it may still read sees the same ones in
+    every shard, and GC leaves no staged part of theirs behind."""
+    config = PersistConfig(inline_write_max_bytes=16, compaction_fan_in=2)
+    client = PersistClient(open_blob(uris[0]), open_consensus(uris[1]), config=config)
+    a, b = names(2)
+    for s in (a, b):
+        client.open_shard(s, SCHEMA, retention_ms=1)
+    for i in range(40):
+        with client.txn(writer_id="etl", token=i) as t:
+            t.append(a, rows([i]))
+            t.append(b, rows([i]))
+    for s in (a, b):
+        shard = client.open_shard(s)
+        shard.compact()
+        shard.gc()
+        assert len(shard.state().trace) < 40  # compaction merged the transactions' batches
+    assert ids_at(client, a) == ids_at(client, b) == list(range(40))
+    since = max(client.open_shard(s).since for s in (a, b))
+    upper = client.open_shard(a).upper
+    for at in range(since, upper, max(1, (upper - since) // 5)):
+        assert ids_at(client, a, at) == ids_at(client, b, at)
+    referenced = {
+        p.key for s in (a, b) for batch in client.open_shard(s).state().trace for p in batch.parts
+    }
+    assert {k for k in staged_keys(client) if "/rollup" not in k} == referenced
+    client.close()
+
+
+def test_a_sure_failure_after_a_lost_request_is_reported_unknown(
+    hooked: tuple[PersistClient, Hooked],
+) -> None:
+    """A commit attempt lost (it might have landed), then the store refuses for good: the
+    commit raises Indeterminate, not the refusal (which would claim nothing happened), and a
+    resend with the same token commits once."""
+    client, consensus = hooked
+    a, b = names(2)
+    for s in (a, b):
+        client.open_shard(s, SCHEMA)
+    consensus.lose_unapplied = 1
+
+    def refuse() -> None:
+        raise StoreUnavailable("test: permission denied", transient=False)
+
+    consensus.before_many += [lambda: None, refuse]
+    t = client.txn(writer_id="etl", token=1)
+    t.append(a, rows([1]))
+    t.append(b, rows([2]))
+    with pytest.raises(Indeterminate, match="Resend it with the same writer id and token"):
+        t.commit()
+    again = client.txn(writer_id="etl", token=1)
+    again.append(a, rows([1]))
+    again.append(b, rows([2]))
+    assert again.commit() is not None and not again.already_committed
+    assert ids_at(client, a) == [1] and ids_at(client, b) == [2]
