@@ -1,12 +1,12 @@
 """Transactions across shards: a one-row transaction's commit beside a one-row append, one run.
 
 On one location (``file/sqlite`` by default: file Blob, SQLite Consensus, the embedded
-default) the same client times, interleaved round by round so drift in the machine's load
-hits every figure alike: ``shard.writer().append`` of a one-row table to one shard (one
-compare-and-set), and ``client.txn()`` appending one row to each of 2 and of 10 shards
-(stage each share, then one compare-and-set of every shard's key). Reported as p50 and p95,
-and the same-run ratios of the transactions' p50 over the append's (issue 37's targets: at
-most 2x for 2 shards, 4x for 10).
+default; or ``file/postgres``, ``mem/mem``) the same client times, interleaved round by round
+so drift in the machine's load hits every figure alike: ``shard.writer().append`` of a one-row
+table to one shard (one compare-and-set), and ``client.txn()`` appending one row to each of 2
+and of 10 shards (stage each share, then one compare-and-set of every shard's key). Reported as
+p50 and p95, and the same-run ratios of the transactions' p50 over the append's (issue 37's
+targets: at most 2x for 2 shards, 4x for 10).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pyarrow as pa
 from pyspark_persist.state import PersistClient
 from pyspark_persist.tools.bench import ratio_text, step
 from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
+from pyspark_persist.tools.bench.core import POSTGRES_URL
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
 TARGETS = {2: 2.0, 10: 4.0}
@@ -43,8 +44,12 @@ class TxnOptions(Options):
         ("2", "10"), "transaction sizes (shards per transaction), comma-separated"
     )
     location: str = flag(
-        "file/sqlite", "blob/consensus kinds", choices=("file/sqlite", "mem/mem"), parse=str
+        "file/sqlite",
+        "blob/consensus kinds",
+        choices=("file/sqlite", "file/postgres", "mem/mem"),
+        parse=str,
     )
+    postgres_url: str = flag(POSTGRES_URL, "PostgreSQL consensus URL (for file/postgres)")
 
     @property
     def sizes(self) -> list[int]:
@@ -83,10 +88,12 @@ class TxnResult(Result):
         return self.txns[size].p50_ms / self.append.p50_ms
 
 
-def _uris(location: str, home: str) -> tuple[str, str]:
+def _uris(options: TxnOptions, home: str) -> tuple[str, str]:
     tag = uuid.uuid4().hex
-    if location == "mem/mem":
+    if options.location == "mem/mem":
         return f"mem://{tag}", f"mem://{tag}"
+    if options.location == "file/postgres":
+        return f"file://{home}/blob", options.postgres_url
     return f"file://{home}/blob", f"sqlite:///{home}/consensus.db"
 
 
@@ -94,7 +101,7 @@ def run(options: TxnOptions) -> TxnResult:
     """Time the append and each transaction size, round-robin, on one client."""
     home = tempfile.mkdtemp(prefix="persist-bench-txn-")
     # The default config (maintenance on), as persist bench core's small writes run.
-    client = PersistClient.open(*_uris(options.location, home))
+    client = PersistClient.open(*_uris(options, home))
     try:
         single = client.open_shard(f"append-{uuid.uuid4().hex[:8]}", SCHEMA).writer()
         groups = {
