@@ -292,9 +292,13 @@ class Txn:
             mismatches += 1
             if mismatches > 2:
                 backoff.sleep(deadline)
-            moved = res.moved or dict.fromkeys(members)
-            for s in moved:
-                states[s] = members[s].machine.refetch()
+            for s, head in (res.moved or dict.fromkeys(members, -1)).items():
+                machine = members[s].machine
+                if head is not None and 0 <= head <= states[s].seqno:
+                    # Consensus is not ahead of what we held: our state was never its.
+                    states[s] = machine.reload()
+                else:
+                    states[s] = machine.refetch()
 
     def _stage_appends(self) -> None:
         """Stage every unkeyed share's tables (in parallel when more than one is sizeable),
