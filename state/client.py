@@ -422,7 +422,11 @@ class Shard:
 
     @traced("Shard.compact", "name")
     def compact(self) -> list[CompactionReport]:
-        """Run compaction now until the policy asks for nothing more."""
+        """Run compaction now until the policy asks for nothing more.
+
+        Unlike background compaction, it folds everything since has passed at once when
+        any of it holds retractions (see :func:`~.retention.expired_run`): an upserted
+        shard left idle after it reads like its live rows written once."""
         return self.client.maintenance.compact_now(self.machine)
 
     @property

@@ -52,6 +52,7 @@ from .blob import BlobMeta
 from .columns import int_scalar
 from .config import PersistConfig
 from .errors import PartNotFound, PersistError, ShardDropped
+from .keyed import consolidate_keyed
 from .machine import Machine, RunInfo
 from .maintenance_policy import (
     CompactRequest,
@@ -135,7 +136,9 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     if table is not None and table.num_rows:
         times = pc.max_element_wise(table.column(TIME), int_scalar(plan.since, TIME_TYPE))
         table = with_times(table, times)
-        if plan.consolidate:  # (not for inserts alone: see plan_merge)
+        if plan.consolidate and state.keys:  # (not for inserts alone: see plan_merge)
+            table = consolidate_keyed(table, schema.names, state.keys)
+        elif plan.consolidate:
             table = consolidate(table, schema.names)
         rows_out = table.num_rows
         builder.add(table)
@@ -267,7 +270,7 @@ def run_compaction(machine: Machine, request: CompactRequest) -> list[Compaction
     """Run compaction until the policy asks for nothing more (or ``request.max_rounds``)."""
     reports = []
     for _ in range(request.max_rounds):
-        batches = compaction_request(machine.fetch_latest(), machine.config)
+        batches = compaction_request(machine.fetch_latest(), machine.config, settle=request.settle)
         if batches is None:
             break
         reports.append(compact(machine, batches))
@@ -380,8 +383,9 @@ class Maintenance:
                 self._heartbeats.start()
 
     def compact_now(self, machine: Machine, max_rounds: int = 1000) -> list[CompactionReport]:
-        """Run compaction until the policy asks for nothing more (or ``max_rounds``)."""
-        return run_compaction(machine, CompactRequest(max_rounds=max_rounds))
+        """Run compaction until the policy asks for nothing more (or ``max_rounds``), folding
+        at once what since has passed (see :func:`~.retention.expired_run`)."""
+        return run_compaction(machine, CompactRequest(max_rounds=max_rounds, settle=True))
 
     def gc_now(self, machine: Machine, *, sweep_orphans: bool = True) -> GcReport:
         """Run a full GC pass now, including the orphan sweep."""
