@@ -127,6 +127,7 @@ from .schema import (
 from .staging import BatchBuilder, StagedBatch
 from .state import ConsumerState, PartRef, ShardState, Time
 from .times import check_readable, describe, parse_time
+from .txn_commit import Txn
 from .updates import consolidate, repeat_by_diff
 from .write import WriteHandle, abandon_staged
 
@@ -170,6 +171,7 @@ __all__ = [
     "Snapshot",
     "StagedBatch",
     "Time",
+    "Txn",
     "UpperMismatch",
     "WriteHandle",
     "abandon_staged",

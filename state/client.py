@@ -37,6 +37,7 @@ from .retention import parse_retention, set_retention
 from .schema import decode_schema, encode_schema, schema_mismatch_message, validate_schema
 from .state import ShardState, Time
 from .tracing import traced
+from .txn_commit import Txn
 from .write import WriteHandle
 
 HOME_ENV = "PERSIST_HOME"
@@ -300,6 +301,12 @@ class PersistClient:
         )
         state = machine.fetch_latest()
         return state, state.incarnation == incarnation
+
+    def txn(self, writer_id: str | None = None, token: int | None = None) -> Txn:
+        """A transaction across shards of this client: every shard it writes changes at one
+        time, or none does (see :mod:`.txn_commit`). Use it as a context manager (a clean
+        exit commits; an exception commits nothing) or call :meth:`Txn.commit`."""
+        return Txn(self, writer_id, token)
 
     def list_shards(self) -> list[str]:
         """The names of every shard in this Consensus (a dropped shard's tombstone is none)."""

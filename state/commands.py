@@ -28,6 +28,7 @@ from .state import (
     ShardState,
     StateDiff,
     Time,
+    TxnMark,
     WriterState,
 )
 
@@ -117,6 +118,7 @@ def compare_and_append(
     replace: bool = False,
     schema: bytes | None = None,
     tombstones: tuple[PartRef, ...] = (),
+    txn: TxnMark | None = None,
 ) -> Outcome[AppendResult]:
     """Append one batch ``[expected_upper, new_upper)`` made of ``parts``, exactly once.
 
@@ -134,6 +136,8 @@ def compare_and_append(
     write without it. It is merged with the schema in *this* state, so a
     concurrent writer's additions stay; SchemaMismatch when the two conflict.
     ``tombstones``: an upsert's deleted keys and sequences (``Batch.tombstones``).
+    ``txn``: the transaction this batch is one shard's share of, recorded with
+    the writer's token (see :mod:`.txn`).
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
@@ -169,7 +173,7 @@ def compare_and_append(
         batch = Batch(expected_upper, new_upper, state.since, parts, retractions, tombstones)
     b.put_batch(batch)
     b.set(upper=new_upper)
-    b.put_writer(writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms))
+    b.put_writer(writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms, txn=txn))
     diff = b.build()
     return Apply(diff, Committed(upper=new_upper, seqno=diff.to_seqno))
 

@@ -220,20 +220,40 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class TxnMark:
+    """The transaction a writer's last commit belonged to: its id and its commit time, the
+    same in every shard it wrote (see :mod:`pyspark_persist.state.txn`)."""
+
+    txn_id: str
+    time: Time
+
+
+@dataclass(frozen=True)
 class WriterState:
     """What state remembers about a writer: the last idempotency token it committed."""
 
     last_token: int
     last_heartbeat_ms: int
+    txn: TxnMark | None = None
+    """Set when that commit was part of a transaction across shards (``None``: a plain write)."""
 
     def to_json(self) -> dict[str, Any]:
-        """Encode for state diffs and rollups."""
-        return {"token": self.last_token, "hb": self.last_heartbeat_ms}
+        """Encode for state diffs and rollups (``txn`` only when set, so plain writes' diffs
+        stay as they were)."""
+        d: dict[str, Any] = {"token": self.last_token, "hb": self.last_heartbeat_ms}
+        if self.txn is not None:
+            d["txn"] = {"id": self.txn.txn_id, "t": self.txn.time}
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> WriterState:
         """Decode what :meth:`to_json` produced."""
-        return cls(last_token=int(d["token"]), last_heartbeat_ms=int(d["hb"]))
+        txn = d.get("txn")
+        return cls(
+            last_token=int(d["token"]),
+            last_heartbeat_ms=int(d["hb"]),
+            txn=None if txn is None else TxnMark(str(txn["id"]), int(txn["t"])),
+        )
 
 
 @dataclass(frozen=True)

@@ -357,12 +357,15 @@ def shard_history(where: Location, name: str, limit: int | None) -> dict[str, An
 
 
 def format_history(result: dict[str, Any]) -> str:
-    """The readable form of :func:`shard_history`: newest first, one line per commit."""
+    """The readable form of :func:`shard_history`: newest first, one line per commit; a TXN
+    column when some commit was part of a transaction across shards."""
     rows = result["commits"]
     if not rows:
         return f"shard {result['shard']!r}: no commits kept"
+    txns = any(c.get("txn_id") for c in rows)
     table = _table(
-        ["SEQNO", "OPERATION", "COMMITTED", "WRITER", "TIMES", "PARTS", "ADDED", "RETRACTED"],
+        ["SEQNO", "OPERATION", "COMMITTED", "WRITER", "TIMES", "PARTS", "ADDED", "RETRACTED"]
+        + (["TXN"] if txns else []),
         [
             [
                 c["seqno"],
@@ -374,6 +377,7 @@ def format_history(result: dict[str, Any]) -> str:
                 _history_sizes(c, "added"),
                 _history_sizes(c, "retracted"),
             ]
+            + ([c.get("txn_id") or ""] if txns else [])
             for c in rows
         ],
     )
