@@ -147,6 +147,9 @@ class Pipeline:
     """persist's source only, from its ``metricsFile``: of the steady micro-batches
     (``batches``), how many ``latestOffset`` found after waiting for a PubSub commit notice
     (``waited``), and the median wait of those (``waited_ms_p50``)."""
+    commit_ms: float = 0.0
+    """persist's sinks only: the median time their driver commit took (``commit_s`` in the
+    sink's metrics), the part of the sink's ``addBatch`` that is persist's own commit."""
     live_keys: tuple[int, int] = (0, 0)
     """The upsert pipeline only: the rows (one per key) its shard held as the steady window
     began and at the end."""
@@ -305,6 +308,8 @@ def run_pipeline(
     persisted = kind in ("persist", "upsert")
     waits = _waits(f"{base}/source-metrics.jsonl", steady_from) if persisted else {}
     measured = _measured(spark, kind, tag, steady_from, phases, waits)
+    if persisted:
+        measured.commit_ms = _commit_ms(f"{base}/sink-ckpt", steady_from)
     if kind == "upsert":
         measured.live_keys = (live[0] if live else 0, _live_keys(workdir, tag))
     return measured
@@ -553,6 +558,15 @@ def run_alone(
     return _measured(spark, kind, tag, steady_from, phases, {})
 
 
+def _commit_ms(checkpoint: str, since: float) -> float:
+    """The median ``commit_s`` (in ms) of the persist sink's micro-batches committed after
+    ``since`` (their uppers are wall-clock ms)."""
+    from pyspark_persist.writer import read_sink_metrics
+
+    spans = [m["commit_s"] for m in read_sink_metrics(checkpoint) if m["upper"] >= since * 1000]
+    return round(statistics.median(spans) * 1000, 1) if spans else 0.0
+
+
 def _waits(metrics_file: str, since: float) -> dict[str, float]:
     """How persist's source waited in latestOffset (see ``Pipeline.waits``) in the micro-batches
     ending after ``since`` (their end offsets are times in ms: the sink writes wall-clock ms)."""
@@ -716,6 +730,9 @@ def render(report: Report) -> str:
             key = f"{query} {phase}"
             mark = "" if key not in report.targets else ("yes" if report.targets[key] else "NO")
             lines.append(f"  {query:<8}{phase:<15}{shown}  {mark}")
+    commits = [f"{by[k].commit_ms:.0f}" if k in ("persist", "upsert") else "-" for k in kinds]
+    if any(c != "-" for c in commits):
+        lines.append(f"  {'sink':<8}{'(its commit)':<15}" + "".join(f"{c:>9}" for c in commits))
     if "floor" in by:
         lines.append(
             "  (floor: rate -> a Python streaming sink that discards, as the sink; a no-I/O "
