@@ -43,6 +43,7 @@ def test_freshness_quick_reports_every_pipeline(
         steady_seconds=2.0,
         workdir=str(tmp_path),
         pipelines=APPEND_KINDS,
+        warmup_seconds=0.0,
     )
     report = run(options, spark)
     by = {p.kind: p for p in report.pipelines}
@@ -82,15 +83,17 @@ def test_freshness_quick_reports_every_pipeline(
         assert f"... spark-freshness: the {kind} pipeline, two queries" in steps, steps
         assert f"... spark-freshness: the {kind} reader alone" in steps, steps
     assert "upsert" not in steps and "upsert" not in text  # not asked for
+    assert "warming up" not in steps  # --warmup-seconds 0
 
 
 def test_upsert_pipeline_reports_its_ratios_to_the_append_pipeline(
-    spark: SparkSession, tmp_path: Path
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The upsert pipeline, its shard prefilled with keys the rate source then rewrites (so
     its reader sees retractions, which it skips): its rows reach the reader, its shard holds
     one row per key throughout, and its addBatch and freshness ratios to the append pipeline
-    of the same run are printed with their targets."""
+    of the same run are printed with their targets; the pipelines run in the order given,
+    after the warm-up."""
     prefill = 1000  # more keys than 5 s at 50 rows/s write: every write replaces a live row
     options = FreshnessOptions.make(
         quick=True,
@@ -99,8 +102,16 @@ def test_upsert_pipeline_reports_its_ratios_to_the_append_pipeline(
         workdir=str(tmp_path),
         pipelines=("upsert", "persist"),
         upsert_prefill=prefill,
+        warmup_seconds=2.0,
     )
     report = run(options, spark)
+    steps = capsys.readouterr().err.splitlines()
+    assert [s.split(" (")[0] for s in steps if s.startswith("... spark-freshness")] == [
+        "... spark-freshness: warming up, a persist pipeline not measured",
+        "... spark-freshness: the upsert pipeline, two queries",
+        "... spark-freshness: the persist pipeline, two queries",
+        "... spark-freshness: the persist reader alone",
+    ]
     assert [p.kind for p in report.pipelines] == ["upsert", "persist"]  # the order given
     upsert, append = report.pipeline("upsert"), report.pipeline("persist")
     assert upsert.samples > 0 and 0 <= upsert.p50_ms <= upsert.p95_ms <= upsert.max_ms
@@ -126,6 +137,8 @@ def test_freshness_options_refuse_a_prefill_outside_the_key_space() -> None:
     is refused before Spark starts, naming the flag."""
     with pytest.raises(ValueError, match="--upsert-prefill 100001 is outside the key space"):
         FreshnessOptions.make(upsert_prefill=KEY_SPACE + 1)
+    with pytest.raises(ValueError, match="--warmup-seconds must be 0"):
+        FreshnessOptions.make(warmup_seconds=-1.0)
     with pytest.raises(ValueError, match="--pipelines is empty"):
         FreshnessOptions.make(pipelines=())
     with pytest.raises(ValueError, match="unknown pipeline 'merge'"):
