@@ -383,7 +383,10 @@ def stage_tombstones(machine: Machine, deleted: pa.Table, time: Time) -> tuple[P
 
 
 def _conformed(table: pa.Table, target: pa.Schema) -> pa.Table:
-    """``table`` with exactly ``target``'s columns (a part older than a column reads null)."""
+    """``table`` with exactly ``target``'s columns (a part older than a column reads null);
+    ``table`` itself when it has them (every lookup of a part with the shard's schema)."""
+    if table.schema.equals(target):
+        return table
     n = table.num_rows
     have = set(table.column_names)
     arrays = [

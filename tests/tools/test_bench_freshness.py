@@ -18,7 +18,7 @@ from pyspark.sql import SparkSession
 from pyspark_persist.state.client import PersistClient
 from pyspark_persist.tools.bench.spark_freshness import (
     ALONE_SHARD,
-    KINDS,
+    KEY_SPACE,
     PHASES,
     READY,
     FreshnessOptions,
@@ -28,6 +28,9 @@ from pyspark_persist.tools.bench.spark_freshness import (
     write_outside_spark,
 )
 
+APPEND_KINDS = ("persist", "file", "floor")
+"""The pipelines of the first test: every one but the upsert (tested on its own)."""
+
 
 def test_freshness_quick_reports_every_pipeline(
     spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -35,11 +38,16 @@ def test_freshness_quick_reports_every_pipeline(
     """persist and file pipelines see steady-state rows; every query reports its phases; the
     run says on stderr which pipeline it is timing, as it goes."""
     options = FreshnessOptions.make(
-        quick=True, seconds=5.0, steady_seconds=2.0, workdir=str(tmp_path)
+        quick=True,
+        seconds=5.0,
+        steady_seconds=2.0,
+        workdir=str(tmp_path),
+        pipelines=APPEND_KINDS,
+        warmup_seconds=0.0,
     )
     report = run(options, spark)
     by = {p.kind: p for p in report.pipelines}
-    assert set(by) == {"persist", "file", "floor"}
+    assert set(by) == set(APPEND_KINDS)
     for kind in ("persist", "file"):
         p = by[kind]
         assert p.samples > 0, kind
@@ -56,7 +64,7 @@ def test_freshness_quick_reports_every_pipeline(
     assert all(phase in text for phase in PHASES[:4])
     assert "waited_ms median" in text
     alone = {p.kind: p for p in report.alone}
-    assert set(alone) == set(KINDS)
+    assert set(alone) == set(APPEND_KINDS)
     for kind in ("persist", "file"):  # the floor's rows carry no stamp
         assert alone[kind].samples > 0, kind
         assert 0 <= alone[kind].p50_ms <= alone[kind].p95_ms, kind
@@ -71,9 +79,70 @@ def test_freshness_quick_reports_every_pipeline(
     assert "Each reader alone" in text and "append -> seen p50/p95" in text
     assert spark.streams.active == []  # every query the benchmark started was stopped
     steps = capsys.readouterr().err
-    for kind in KINDS:
+    for kind in APPEND_KINDS:
         assert f"... spark-freshness: the {kind} pipeline, two queries" in steps, steps
         assert f"... spark-freshness: the {kind} reader alone" in steps, steps
+    assert "upsert" not in steps and "upsert" not in text  # not asked for
+    assert "warming up" not in steps  # --warmup-seconds 0
+
+
+def test_upsert_pipeline_reports_its_ratios_to_the_append_pipeline(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The upsert pipeline, its shard prefilled with keys the rate source then rewrites (so
+    its reader sees retractions, which it skips): its rows reach the reader, its shard holds
+    one row per key throughout, and its addBatch and freshness ratios to the append pipeline
+    of the same run are printed with their targets; the pipelines run in the order given,
+    after the warm-up."""
+    prefill = 1000  # more keys than 5 s at 50 rows/s write: every write replaces a live row
+    options = FreshnessOptions.make(
+        quick=True,
+        seconds=5.0,
+        steady_seconds=2.0,
+        workdir=str(tmp_path),
+        pipelines=("upsert", "persist"),
+        upsert_prefill=prefill,
+        warmup_seconds=2.0,
+    )
+    report = run(options, spark)
+    steps = capsys.readouterr().err.splitlines()
+    assert [s.split(" (")[0] for s in steps if s.startswith("... spark-freshness")] == [
+        "... spark-freshness: warming up, a persist pipeline not measured",
+        "... spark-freshness: the upsert pipeline, two queries",
+        "... spark-freshness: the persist pipeline, two queries",
+        "... spark-freshness: the persist reader alone",
+    ]
+    assert [p.kind for p in report.pipelines] == ["upsert", "persist"]  # the order given
+    upsert, append = report.pipeline("upsert"), report.pipeline("persist")
+    assert upsert.samples > 0 and 0 <= upsert.p50_ms <= upsert.p95_ms <= upsert.max_ms
+    assert upsert.live_keys == (prefill, prefill)
+    assert upsert.commit_ms > 0 and append.commit_ms > 0
+    added = upsert.phases_ms["sink"]["addBatch"] / append.phases_ms["sink"]["addBatch"]
+    assert report.upsert_add_batch_ratio == round(added, 3)
+    assert report.upsert_p50_ratio == round(upsert.p50_ms / append.p50_ms, 3)
+    assert report.upsert_p95_ratio == round(upsert.p95_ms / append.p95_ms, 3)
+    assert set(report.targets) == {"upsert addBatch", "upsert p50", "upsert p95"}
+    text = render(report)
+    assert "rate -> persist upsert -> persist source" in text
+    assert f"upsert/persist append: p50 {report.upsert_p50_ratio:.2f}x (target <= 1.2x" in text
+    assert f"sink addBatch {report.upsert_add_batch_ratio:.2f}x (target <= 1.5x" in text
+    assert f"held {prefill} live keys at the steady window's start, {prefill} at the end" in text
+    assert "persist/file" not in text  # no file pipeline ran
+    assert [p.kind for p in report.alone] == ["persist"]
+    assert spark.streams.active == []
+
+
+def test_freshness_options_refuse_a_prefill_outside_the_key_space() -> None:
+    """The upsert's keys are value % KEY_SPACE: a prefill beyond them, or no pipeline at all,
+    is refused before Spark starts, naming the flag."""
+    with pytest.raises(ValueError, match="--upsert-prefill 100001 is outside the key space"):
+        FreshnessOptions.make(upsert_prefill=KEY_SPACE + 1)
+    with pytest.raises(ValueError, match="--warmup-seconds must be 0"):
+        FreshnessOptions.make(warmup_seconds=-1.0)
+    with pytest.raises(ValueError, match="--pipelines is empty"):
+        FreshnessOptions.make(pipelines=())
+    with pytest.raises(ValueError, match="unknown pipeline 'merge'"):
+        FreshnessOptions.make(pipelines=("persist", "merge"))
 
 
 def test_writer_outside_spark_appends_stamped_rows_once_a_second(tmp_path: Path) -> None:

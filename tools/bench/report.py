@@ -877,7 +877,11 @@ SPARK_RUNS = (
     ),
     SparkRun(
         spark_freshness.BENCHMARK,
-        lambda o: spark_freshness.FreshnessOptions.make(o.quick),
+        # The report's rows are persist's append against files: the upsert pipeline is
+        # spark-freshness's own (issue 35), left out to keep the section's run time.
+        lambda o: spark_freshness.FreshnessOptions.make(
+            o.quick, pipelines=("persist", "file", "floor")
+        ),
         spark_freshness_rows,
     ),
 )

@@ -7,6 +7,11 @@ after the other and for the same time, two-query pipelines:
 
 - **persist**: ``rate`` -> persist sink (query 1); persist source -> ``memory``
   sink (query 2);
+- **upsert**: the same, the sink writing a keyed shard (``upsertKeys`` ``id``):
+  every micro-batch an upsert, whose commit looks up the current rows of its
+  keys before it retracts them (issue 35: its sink's ``addBatch`` within
+  ``UPSERT_ADD_BATCH_TARGET`` of persist's appending one, its freshness within
+  ``UPSERT_FRESHNESS_TARGET`` of theirs);
 - **file**: ``rate`` -> Spark's Parquet file sink; file source -> ``memory``;
 - **floor**: ``rate`` -> a Python streaming sink that discards its rows,
   beside a Python streaming source that reads nothing -> ``memory``
@@ -15,6 +20,20 @@ after the other and for the same time, two-query pipelines:
   cost with no storage at all, phase by phase. (A Python sink's
   ``commitOffsets`` costs Spark about three times the file sink's, with nothing
   in it from the sink: measured beside persist's, not charged to it.)
+
+Every pipeline writes the same rows: the rate source's ``value``, ``id = value %
+KEY_SPACE`` (the upsert's key) and the stamp. At the rate source's
+``--rows-per-second`` the keys repeat only after ``KEY_SPACE`` rows (2000 s
+at 50 rows/s), so a default upsert run inserts new keys into a shard that
+fills as it goes (the live keys at the steady window's start and end are
+printed); ``--upsert-prefill N`` upserts keys ``0..N-1`` into the shard first,
+so that (with N = KEY_SPACE) every write replaces a live row. ``--pipelines``
+picks which pipelines run, in which order (each ratio needs both of its
+pipelines). Before them an unmeasured persist pipeline runs for
+``--warmup-seconds`` (15): without it the first measured pipeline pays for
+warming Spark's JVM and Python workers up, and looked up to 1.3x slower than
+the same pipeline run second (the upsert pipeline ran before and after the
+append one, see docs/benchmarks.md).
 
 Each row is stamped with the writer's micro-batch start (``current_timestamp()``
 in query 1 is that micro-batch's time) and, when it shows up in query 2, with
@@ -51,18 +70,29 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from pyspark_persist.tools.bench import ratio_text, step
-from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, csv, flag
 
 P50_TARGET = 0.7
 P95_TARGET = 0.8
 PHASES = ("addBatch", "latestOffset", "walCommit", "commitOffsets", "queryPlanning")
 """The micro-batch phases shown (Spark's ``durationMs`` keys)."""
-KINDS = ("persist", "file", "floor")
+UPSERT_ADD_BATCH_TARGET = 1.5
+"""The upsert sink's ``addBatch`` median over persist's appending sink's, at most."""
+UPSERT_FRESHNESS_TARGET = 1.2
+"""The upsert pipeline's freshness (p50 and p95) over persist's append pipeline's, at most."""
+KEY_SPACE = 100_000
+"""The upsert pipeline's keys: ``id = value % KEY_SPACE``."""
+KINDS = ("persist", "upsert", "file", "floor")
+"""Every two-query pipeline, in the order they run (the upsert beside the append it is
+compared with)."""
+ALONE = ("persist", "file", "floor")
+"""The readers run alone (the upsert pipeline's reader is persist's source)."""
 SINK_BEFORE_COMMIT = ("walCommit", "queryPlanning", "addBatch")
 """The phases of a sink's micro-batch that pass before its rows can be committed (the rows are
 stamped at the micro-batch's start, and a sink commits at the end of ``addBatch``)."""
@@ -79,13 +109,38 @@ class FreshnessOptions(Options):
         10.0, "rows written before both queries ran this long are dropped", quick=4.0
     )
     rows_per_second: int = flag(50, "rate of the writers' source", positive=True)
+    warmup_seconds: float = flag(
+        15.0,
+        "run time of an unmeasured persist pipeline before the measured ones (0: none)",
+        quick=5.0,
+    )
     pubsub: str = flag(
         "auto",
         "the persist pipeline's pubsub option: how its source hears of the sink's "
         "commits (off to poll Consensus)",
     )
+    pipelines: tuple[str, ...] = flag(
+        KINDS, "comma list of the pipelines to run, in that order", parse=csv, choices=KINDS
+    )
+    upsert_prefill: int = flag(
+        0,
+        f"keys 0..N-1 upserted into the upsert pipeline's shard before it starts ({KEY_SPACE}: "
+        "every write replaces a live row)",
+    )
     master: str = flag("local[2]", "Spark master")
     workdir: str | None = flag(None, "keep the stores here (default: a temporary directory)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.pipelines:
+            raise ValueError(f"--pipelines is empty: name some of {', '.join(KINDS)}")
+        if self.warmup_seconds < 0:
+            raise ValueError("--warmup-seconds must be 0 (no warm-up) or more")
+        if not 0 <= self.upsert_prefill <= KEY_SPACE:
+            raise ValueError(
+                f"--upsert-prefill {self.upsert_prefill} is outside the key space: give 0 to "
+                f"{KEY_SPACE} (the keys are value % {KEY_SPACE})"
+            )
 
 
 @dataclass
@@ -103,6 +158,12 @@ class Pipeline:
     """persist's source only, from its ``metricsFile``: of the steady micro-batches
     (``batches``), how many ``latestOffset`` found after waiting for a PubSub commit notice
     (``waited``), and the median wait of those (``waited_ms_p50``)."""
+    commit_ms: float = 0.0
+    """persist's sinks only: the median time their driver commit took (``commit_s`` in the
+    sink's metrics), the part of the sink's ``addBatch`` that is persist's own commit."""
+    live_keys: tuple[int, int] = (0, 0)
+    """The upsert pipeline only: the rows (one per key) its shard held as the steady window
+    began and at the end."""
 
 
 @dataclass
@@ -122,6 +183,11 @@ class Report(Result):
     how long any Python sink's micro-batch runs before it could commit a row, so the least
     freshness a Python sink can give (``sink_floor_ratio``: over the file pipeline's p50)."""
     sink_floor_ratio: float = 0.0
+    upsert_prefill: int = 0
+    upsert_add_batch_ratio: float = 0.0
+    """The upsert sink's ``addBatch`` median over persist's appending sink's."""
+    upsert_p50_ratio: float = 0.0
+    upsert_p95_ratio: float = 0.0
     alone: list[Pipeline] = field(default_factory=list)
     """Each reader with its writer outside Spark (see the module doc): freshness from the
     append, and the ``reader`` phases."""
@@ -190,9 +256,17 @@ def _stop(query: Any, wait_s: float = 5.0) -> None:
 
 
 def run_pipeline(
-    spark: Any, kind: str, seconds: float, steady: float, rate: int, workdir: str, pubsub: str
+    spark: Any,
+    kind: str,
+    seconds: float,
+    steady: float,
+    rate: int,
+    workdir: str,
+    pubsub: str,
+    prefill: int = 0,
 ) -> Pipeline:
-    """Run one pipeline (see the module doc) and measure it."""
+    """Run one pipeline (see the module doc) and measure it; ``prefill``: the upsert's
+    keys upserted before it starts."""
     from pyspark.sql import functions as F
 
     tag = f"{kind}_{uuid.uuid4().hex[:8]}"
@@ -202,12 +276,19 @@ def run_pipeline(
         spark.readStream.format("rate")
         .option("rowsPerSecond", rate)
         .load()
-        .select(F.col("value"), F.unix_micros(F.current_timestamp()).alias("stamp_us"))
+        .select(
+            F.col("value"),
+            (F.col("value") % KEY_SPACE).alias("id"),
+            F.unix_micros(F.current_timestamp()).alias("stamp_us"),
+        )
     )
     writer = events.writeStream.option("checkpointLocation", f"{base}/sink-ckpt").trigger(
         processingTime="0 seconds"
     )
-    if kind == "persist":
+    if kind in ("persist", "upsert"):
+        if kind == "upsert":
+            _prefill(workdir, tag, prefill)
+            writer = writer.option("upsertKeys", "id")
         sink = writer.format("persist").options(**opts).start(tag)
         while sink.lastProgress is None and sink.exception() is None:
             time.sleep(0.05)  # the shard exists after the first commit
@@ -217,6 +298,8 @@ def run_pipeline(
             .option("metricsFile", f"{base}/source-metrics.jsonl")
             .load(tag)
         )
+        if kind == "upsert":  # a replaced row's retraction is no new row
+            source = source.where(F.col("_diff") > 0)
     elif kind == "file":
         sink = writer.format("parquet").option("path", f"{base}/data").start()
         source = spark.readStream.schema(events.schema).parquet(f"{base}/data")
@@ -226,9 +309,59 @@ def run_pipeline(
         sink = writer.format(DISCARD).start()
         source = _floor_source(spark)
     queries = {"sink": sink, "reader": _start_reader(source, base, tag)}
-    phases, steady_from = _run_steady(queries, f"{kind} pipeline", seconds, steady)
-    waits = _waits(f"{base}/source-metrics.jsonl", steady_from) if kind == "persist" else {}
-    return _measured(spark, kind, tag, steady_from, phases, waits)
+    live: list[int] = []
+
+    def count_live() -> None:
+        live.append(_live_keys(workdir, tag))
+
+    at_steady = count_live if kind == "upsert" else None
+    phases, steady_from = _run_steady(queries, f"{kind} pipeline", seconds, steady, at_steady)
+    persisted = kind in ("persist", "upsert")
+    waits = _waits(f"{base}/source-metrics.jsonl", steady_from) if persisted else {}
+    measured = _measured(spark, kind, tag, steady_from, phases, waits)
+    if persisted:
+        measured.commit_ms = _commit_ms(f"{base}/sink-ckpt", steady_from)
+    if kind == "upsert":
+        measured.live_keys = (live[0] if live else 0, _live_keys(workdir, tag))
+    return measured
+
+
+UPSERT_SCHEMA = (("value", "int64"), ("id", "int64"), ("stamp_us", "int64"))
+"""The columns every pipeline writes, as the persist sink stores them (Spark's ``bigint``)."""
+
+
+def _client(location: str) -> Any:
+    """A persist client of the stores under ``location`` (no PubSub: one-off looks)."""
+    from pyspark_persist.state.client import PersistClient
+
+    opts = _store_options(location, "off")
+    return PersistClient.open(opts["blob"], opts["consensus"])
+
+
+def _prefill(location: str, shard: str, keys: int) -> None:
+    """Create the keyed shard ``shard`` holding keys ``0..keys-1`` (value = id, stamp 0, so
+    no steady-state freshness sample), as one upsert; nothing when ``keys`` is 0."""
+    if not keys:
+        return
+    import pyarrow as pa
+
+    schema = pa.schema([pa.field(name, typ) for name, typ in UPSERT_SCHEMA])
+    ids = pa.array(range(keys), pa.int64())
+    rows = pa.table([ids, ids, pa.array([0] * keys, pa.int64())], schema=schema)
+    with _client(location) as client:
+        client.open_shard(shard, schema, keys=["id"]).writer().upsert(rows)
+
+
+def _live_keys(location: str, shard: str) -> int:
+    """The rows the keyed shard holds now (one per live key). Counted as the steady window
+    begins, and at the end: the shard's since follows its reader, so the past is not there
+    to count later."""
+    with _client(location) as client:
+        reader = client.open_shard(shard).reader()
+        try:
+            return int(reader.snapshot_table().num_rows)
+        finally:
+            reader.close()
 
 
 def _floor_source(spark: Any) -> Any:
@@ -256,10 +389,15 @@ def _start_reader(source: Any, base: str, tag: str) -> Any:
 
 
 def _run_steady(
-    queries: dict[str, Any], what: str, seconds: float, steady: float
+    queries: dict[str, Any],
+    what: str,
+    seconds: float,
+    steady: float,
+    at_steady: Callable[[], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], float]:
     """Let ``queries`` run ``seconds``, stop them, and return each one's phase medians over
     the micro-batches from ``steady`` seconds in, and when that steady window began.
+    ``at_steady`` is called once, as the steady window begins.
 
     A loaded machine is slow: the run is stretched, up to STRETCH times, until every query
     ran MIN_STEADY_BATCHES steady micro-batches, rather than reported empty.
@@ -280,6 +418,9 @@ def _run_steady(
             for q in queries.values():
                 if q.exception() is not None:
                     raise RuntimeError(f"{what} failed: {q.exception()}")
+            if at_steady is not None and time.time() >= steady_from:
+                at_steady()
+                at_steady = None
             time.sleep(0.25)
         return {name: _phases(q, steady_from) for name, q in queries.items()}, steady_from
     finally:
@@ -428,6 +569,15 @@ def run_alone(
     return _measured(spark, kind, tag, steady_from, phases, {})
 
 
+def _commit_ms(checkpoint: str, since: float) -> float:
+    """The median ``commit_s`` (in ms) of the persist sink's micro-batches committed after
+    ``since`` (their uppers are wall-clock ms)."""
+    from pyspark_persist.writer import read_sink_metrics
+
+    spans = [m["commit_s"] for m in read_sink_metrics(checkpoint) if m["upper"] >= since * 1000]
+    return round(statistics.median(spans) * 1000, 1) if spans else 0.0
+
+
 def _waits(metrics_file: str, since: float) -> dict[str, float]:
     """How persist's source waited in latestOffset (see ``Pipeline.waits``) in the micro-batches
     ending after ``since`` (their end offsets are times in ms: the sink writes wall-clock ms)."""
@@ -453,16 +603,36 @@ def run(options: FreshnessOptions, spark: Any = None) -> Report:
     own = spark is None
     session = _session(options.master) if own else spark
     _register(session)
-    report = Report(seconds, steady, options.rows_per_second, options.pubsub)
+    report = Report(
+        seconds,
+        steady,
+        options.rows_per_second,
+        options.pubsub,
+        upsert_prefill=options.upsert_prefill,
+    )
+    kinds = list(dict.fromkeys(options.pipelines))  # in the order given, each once
     try:
-        for kind in KINDS:
+        if options.warmup_seconds > 0:
+            warm = options.warmup_seconds
+            step(f"spark-freshness: warming up, a persist pipeline not measured ({warm:.0f} s)")
+            run_pipeline(
+                session, "persist", warm, 0.0, options.rows_per_second, workdir, options.pubsub
+            )
+        for kind in kinds:
             step(f"spark-freshness: the {kind} pipeline, two queries ({seconds:.0f} s)")
             report.pipelines.append(
                 run_pipeline(
-                    session, kind, seconds, steady, options.rows_per_second, workdir, options.pubsub
+                    session,
+                    kind,
+                    seconds,
+                    steady,
+                    options.rows_per_second,
+                    workdir,
+                    options.pubsub,
+                    options.upsert_prefill,
                 )
             )
-        for kind in KINDS:
+        for kind in (k for k in ALONE if k in kinds):
             step(f"spark-freshness: the {kind} reader alone ({seconds:.0f} s)")
             report.alone.append(
                 run_alone(
@@ -474,12 +644,34 @@ def run(options: FreshnessOptions, spark: Any = None) -> Report:
             session.stop()
         if options.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    persist, files = report.pipelines[0], report.pipelines[1]
+    _compare(report, set(kinds))
+    return report
+
+
+def _compare(report: Report, kinds: set[str]) -> None:
+    """The ratios and targets of the pipelines that ran (each needs both of its pipelines)."""
+    by = {p.kind: p for p in report.pipelines}
+    if {"persist", "upsert"} <= kinds:
+        append, upsert = by["persist"], by["upsert"]
+        added = append.phases_ms["sink"]["addBatch"]
+        report.upsert_add_batch_ratio = round(upsert.phases_ms["sink"]["addBatch"] / added, 3)
+        report.upsert_p50_ratio = round(upsert.p50_ms / append.p50_ms, 3)
+        report.upsert_p95_ratio = round(upsert.p95_ms / append.p95_ms, 3)
+        report.targets["upsert addBatch"] = report.upsert_add_batch_ratio <= UPSERT_ADD_BATCH_TARGET
+        report.targets["upsert p50"] = report.upsert_p50_ratio <= UPSERT_FRESHNESS_TARGET
+        report.targets["upsert p95"] = report.upsert_p95_ratio <= UPSERT_FRESHNESS_TARGET
+    if "file" not in kinds:
+        return
+    files = by["file"]
+    if "floor" in kinds:
+        floor_sink = by["floor"].phases_ms.get("sink", {})
+        report.sink_floor_ms = sum(floor_sink.get(p, 0.0) for p in SINK_BEFORE_COMMIT)
+        report.sink_floor_ratio = round(report.sink_floor_ms / files.p50_ms, 3)
+    if "persist" not in kinds:
+        return
+    persist = by["persist"]
     report.p50_ratio = round(persist.p50_ms / files.p50_ms, 3)
     report.p95_ratio = round(persist.p95_ms / files.p95_ms, 3)
-    floor_sink = report.pipelines[2].phases_ms.get("sink", {})
-    report.sink_floor_ms = sum(floor_sink.get(p, 0.0) for p in SINK_BEFORE_COMMIT)
-    report.sink_floor_ratio = round(report.sink_floor_ms / files.p50_ms, 3)
     report.targets["p50"] = report.p50_ratio <= P50_TARGET
     report.targets["p95"] = report.p95_ratio <= P95_TARGET
     for query in ("sink", "reader"):
@@ -488,81 +680,115 @@ def run(options: FreshnessOptions, spark: Any = None) -> Report:
             theirs = files.phases_ms.get(query, {}).get(phase)
             if mine is not None and theirs is not None and phase != "queryPlanning":
                 report.targets[f"{query} {phase}"] = mine <= theirs
-    return report
+
+
+NAMES = {
+    "persist": "rate -> persist sink -> persist source",
+    "upsert": "rate -> persist upsert -> persist source",
+    "file": "rate -> file sink -> file source",
+}
+"""The stamped pipelines' names in the freshness table."""
 
 
 def render(report: Report) -> str:
     """The report as tables for people."""
     by = {p.kind: p for p in report.pipelines}
+    kinds = [k for k in KINDS if k in by]
+    prefill = f", upsert prefill {report.upsert_prefill} keys" if report.upsert_prefill else ""
     lines = [
         f"persist bench spark-freshness: {report.rows_per_second} rows/s, "
         f"{report.seconds:g} s per pipeline, steady state after {report.steady_seconds:g} s, "
-        f"persist pubsub={report.pubsub}",
+        f"persist pubsub={report.pubsub}{prefill}",
         "",
         "Freshness (writer's micro-batch start -> reader's), ms:",
-        f"  {'pipeline':<40}{'samples':>8}{'p50':>8}{'p95':>8}{'max':>8}",
+        f"  {'pipeline':<42}{'samples':>8}{'p50':>8}{'p95':>8}{'max':>8}",
     ]
-    names = {
-        "persist": "rate -> persist sink -> persist source",
-        "file": "rate -> file sink -> file source",
-    }
-    for kind, name in names.items():
-        p = by[kind]
-        lines.append(f"  {name:<40}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}")
+    for kind, name in NAMES.items():
+        if kind in by:
+            p = by[kind]
+            lines.append(
+                f"  {name:<42}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}"
+            )
 
     def verdict(key: str) -> str:
         return "met" if report.targets[key] else "NOT met"
 
-    lines.append(
-        f"  persist/file: p50 {ratio_text(report.p50_ratio, P50_TARGET)} (target <= "
-        f"{P50_TARGET}x: {verdict('p50')}), p95 {ratio_text(report.p95_ratio, P95_TARGET)} "
-        f"(target <= {P95_TARGET}x: "
-        f"{verdict('p95')})"
-    )
-    lines.append(
-        f"  the floor of any Python sink: the discarding sink's "
-        f"{' + '.join(SINK_BEFORE_COMMIT)} = {report.sink_floor_ms:.0f} ms before it could "
-        f"commit a row, {report.sink_floor_ratio:.2f}x the file pipeline's p50"
-    )
+    if "p50" in report.targets:
+        lines.append(
+            f"  persist/file: p50 {ratio_text(report.p50_ratio, P50_TARGET)} (target <= "
+            f"{P50_TARGET}x: {verdict('p50')}), p95 {ratio_text(report.p95_ratio, P95_TARGET)} "
+            f"(target <= {P95_TARGET}x: {verdict('p95')})"
+        )
+    if "upsert p50" in report.targets:
+        target = UPSERT_FRESHNESS_TARGET
+        lines.append(
+            f"  upsert/persist append: p50 {ratio_text(report.upsert_p50_ratio, target)} "
+            f"(target <= {target}x: {verdict('upsert p50')}), p95 "
+            f"{ratio_text(report.upsert_p95_ratio, target)} (target <= {target}x: "
+            f"{verdict('upsert p95')})"
+        )
+    if {"file", "floor"} <= set(by):
+        lines.append(
+            f"  the floor of any Python sink: the discarding sink's "
+            f"{' + '.join(SINK_BEFORE_COMMIT)} = {report.sink_floor_ms:.0f} ms before it could "
+            f"commit a row, {report.sink_floor_ratio:.2f}x the file pipeline's p50"
+        )
     lines.append("")
     lines.append("Median ms per micro-batch phase (steady state):")
-    lines.append(f"  {'query':<8}{'phase':<15}{'persist':>9}{'file':>9}{'floor':>9}  persist<=file")
+    lines.append(
+        f"  {'query':<8}{'phase':<15}" + "".join(f"{k:>9}" for k in kinds) + "  persist<=file"
+    )
     for query in ("sink", "reader"):
         for phase in PHASES:
-            cells = [by[k].phases_ms.get(query, {}).get(phase) for k in KINDS]
+            cells = [by[k].phases_ms.get(query, {}).get(phase) for k in kinds]
             if all(c is None for c in cells):
                 continue
             shown = "".join(f"{'-' if c is None else f'{c:.0f}':>9}" for c in cells)
             key = f"{query} {phase}"
             mark = "" if key not in report.targets else ("yes" if report.targets[key] else "NO")
             lines.append(f"  {query:<8}{phase:<15}{shown}  {mark}")
-    lines.append(
-        "  (floor: rate -> a Python streaming sink that discards, as the sink; a no-I/O "
-        "Python source -> memory, as the reader)"
-    )
-    waits = by["persist"].waits
-    if waits:
+    commits = [f"{by[k].commit_ms:.0f}" if k in ("persist", "upsert") else "-" for k in kinds]
+    if any(c != "-" for c in commits):
+        lines.append(f"  {'sink':<8}{'(its commit)':<15}" + "".join(f"{c:>9}" for c in commits))
+    if "floor" in by:
         lines.append(
-            f"  persist reader latestOffset: {waits['waited']:.0f} of {waits['batches']:.0f} "
-            "micro-batches found their commit by waiting for its PubSub notice (waited_ms "
-            f"median {waits['waited_ms_p50']:.1f})"
+            "  (floor: rate -> a Python streaming sink that discards, as the sink; a no-I/O "
+            "Python source -> memory, as the reader)"
         )
+    if "upsert addBatch" in report.targets:
+        target = UPSERT_ADD_BATCH_TARGET
+        start, end = by["upsert"].live_keys
+        lines.append(
+            f"  upsert/persist append: sink addBatch "
+            f"{ratio_text(report.upsert_add_batch_ratio, target)} (target <= {target}x: "
+            f"{verdict('upsert addBatch')}); the keyed shard held {start} live keys at the "
+            f"steady window's start, {end} at the end (key space {KEY_SPACE})"
+        )
+    for kind in ("persist", "upsert"):
+        waits = by[kind].waits if kind in by else {}
+        if waits:
+            lines.append(
+                f"  {kind} reader latestOffset: {waits['waited']:.0f} of "
+                f"{waits['batches']:.0f} micro-batches found their commit by waiting for its "
+                f"PubSub notice (waited_ms median {waits['waited_ms_p50']:.1f})"
+            )
     if report.alone:
         alone = {p.kind: p for p in report.alone}
+        shown_alone = [k for k in ALONE if k in alone]
         lines += [
             "",
             f"Each reader alone: its writer a Python process outside Spark, "
             f"{report.rows_per_second} rows once a second; no sink query on the cores. "
             "Median ms:",
-            f"  {'reader phase':<23}{'persist':>9}{'file':>9}{'floor':>9}",
+            f"  {'reader phase':<23}" + "".join(f"{k:>9}" for k in shown_alone),
         ]
         for phase in PHASES:
-            cells = [alone[k].phases_ms.get("reader", {}).get(phase) for k in KINDS]
+            cells = [alone[k].phases_ms.get("reader", {}).get(phase) for k in shown_alone]
             shown = "".join(f"{'-' if c is None else f'{c:.0f}':>9}" for c in cells)
             lines.append(f"  {phase:<23}{shown}")
         fresh = "".join(
             f"{f'{alone[k].p50_ms:.0f}/{alone[k].p95_ms:.0f}' if alone[k].samples else '-':>9}"
-            for k in KINDS
+            for k in shown_alone
         )
         lines.append(f"  {'append -> seen p50/p95':<23}{fresh}")
     return "\n".join(lines)
