@@ -1397,7 +1397,12 @@ def pubsub_serve(args: tuple[str, ...]) -> int:
         "reading with pubsub=host:port get each committed state diff pushed to them.",
     )
     add_serve_arguments(parser)
-    return serve_parsed(parser.parse_args(list(args)))
+    location: list[str] = []
+    if "--consumer-lag" in args:  # the root's --blob/--consensus name where it reads
+        given = _where()
+        location += [*("--blob", given.blob)] if given.blob else []
+        location += [*("--consensus", given.consensus)] if given.consensus else []
+    return serve_parsed(parser.parse_args([*location, *args]))
 
 
 class _Benchmarks(click.Group):
