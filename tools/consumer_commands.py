@@ -35,6 +35,7 @@ import click
 from pyspark_persist.tools import cli as base
 
 if TYPE_CHECKING:
+    from pyspark_persist.state.client import Shard
     from pyspark_persist.state.state import ConsumerState, ShardState
 
 
@@ -153,7 +154,7 @@ def format_list(result: dict[str, Any]) -> str:
         [
             [
                 c["name"],
-                c["upper_utc"] or c["upper"],
+                base._time(c["upper"]),
                 c["phase"],
                 f"{c['behind']['rows']} rows, {base._size(c['behind']['bytes'])}",
                 _behind_time(c, result["upper"]),
@@ -223,14 +224,14 @@ def format_show(result: dict[str, Any]) -> str:
 
 
 def _reset_target(
-    shard: Any, state: ShardState, *, to_time: int | None, to_seqno: int | None
+    shard: Shard, state: ShardState, *, to_time: int | None, to_seqno: int | None
 ) -> tuple[int, int, str]:
     """The time the consumer reads on from, the SeqNo it was found at, and what the user asked
     (for messages): ``--to-time T`` as given, ``--to-seqno N`` the upper SeqNo N left."""
     from pyspark_persist.state.history import state_at
 
     if to_seqno is None:
-        assert to_time is not None
+        assert to_time is not None  # reset() takes exactly one
         return to_time, state.seqno, f"--to-time {to_time}"
     if base._progress_enabled():
         print(f"reading the history of {shard.name} ...", end="", file=sys.stderr, flush=True)
@@ -262,6 +263,11 @@ def reset(
     from pyspark_persist.state.consumers import is_held
     from pyspark_persist.state.errors import InvalidFrontier, UnknownConsumer
 
+    if (to_time is None) == (to_seqno is None):
+        raise base.UsageError(
+            "persist consumers reset: give exactly one of --to-time T and --to-seqno N "
+            "(see persist consumers reset --help)"
+        )
     with base._shard(where, shard_name) as (_client, shard):
         state = shard.machine.fetch_latest()
         before = state.consumers.get(name)
@@ -426,11 +432,6 @@ def consumers_reset(
     """Move consumer NAME of SHARD: the next query using it reads on from the changes at --to-time
     T (or after SeqNo --to-seqno N). Refused while a live query holds it (--force fences that
     query), and when those changes were compacted away."""
-    if (to_time is None) == (to_seqno is None):
-        raise base.UsageError(
-            "persist consumers reset: give exactly one of --to-time T and --to-seqno N "
-            "(see persist consumers reset --help)"
-        )
     result = reset(base._where(), shard, name, to_time=to_time, to_seqno=to_seqno, force=force)
     return base._emit(result, as_json, format_reset)
 
