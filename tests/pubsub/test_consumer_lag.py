@@ -150,10 +150,3 @@ def test_serve_exports_the_lag_and_follows_pushes(location: tuple[str, str]) -> 
         _, stderr = proc.communicate(timeout=10)
     # (asyncio may report the writer's ended stream as a pending task at exit: not an error.)
     assert "Traceback" not in stderr and "error" not in stderr.lower(), stderr
-
-
-def test_consumer_lag_needs_the_metrics_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
-    from pyspark_persist.tools import cli
-
-    assert cli.main(["pubsub", "serve", "--port", "0", "--consumer-lag"]) == 1
-    assert "give --metrics-port too" in capsys.readouterr().err
