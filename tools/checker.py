@@ -88,7 +88,12 @@ all run), each a named :class:`Piece`:
   overlapping keys on a keyed shard, a snapshot reader and a listen of it:
   at most one row per key at every time, and each commit's change is the
   serial application of its write, in commit (SeqNo) order
-  (:func:`check_keyed`).
+  (:func:`check_keyed`);
+- ``consumers`` (:class:`Consumers`): a named consumer of a shard of its own,
+  taken back and forth by two holders (one getting its lost replies as
+  Indeterminate), reset (forced) now and then, watched throughout: it moves
+  back only by a reset, a fenced holder never moves it, since never passes
+  its hold, and an acknowledged advance is what it holds.
 
 The resend, abort and short-grace pieces share :class:`ModelShard`: the
 piece is its shard's one writer, so it knows exactly which writes landed and
