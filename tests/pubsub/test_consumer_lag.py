@@ -29,6 +29,16 @@ SAMPLE = re.compile(
 )
 
 
+GRPC_SHUTDOWN = (
+    "Task was destroyed but it is pending!",
+    "task: <Task pending name='rpc_task'",
+    "Traceback (most recent call last):",
+    'File "src/python/grpcio/grpc/_cython/_cygrpc/aio/server.pyx.pxi"',
+    "GeneratorExit",
+)
+"""The lines of gRPC's asyncio shutdown report (see the end of the serve test)."""
+
+
 def gauges(text: str) -> dict[tuple[str, str, str], int]:
     """(metric, shard, consumer) -> value, after checking each metric's HELP and TYPE lines."""
     out: dict[tuple[str, str, str], int] = {}
@@ -148,5 +158,6 @@ def test_serve_exports_the_lag_and_follows_pushes(location: tuple[str, str]) -> 
     finally:
         proc.terminate()
         _, stderr = proc.communicate(timeout=10)
-    # (asyncio may report the writer's ended stream as a pending task at exit: not an error.)
-    assert "Traceback" not in stderr and "error" not in stderr.lower(), stderr
+    # gRPC's asyncio server may report the writer's ended stream as a task still pending when
+    # it is terminated right after (plain `pubsub serve` does too): that, and nothing else.
+    assert all(line.strip().startswith(GRPC_SHUTDOWN) for line in stderr.splitlines()), stderr
