@@ -229,6 +229,7 @@ def serve(
     allow_remote: bool = False,
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = None,
+    consumer_lag: tuple[str, str] | None = None,
 ) -> int:
     """Run the PubSub server in the foreground until interrupted (``persist pubsub serve``).
 
@@ -236,7 +237,8 @@ def serve(
     ``$PERSIST_PUBSUB_TLS_KEY``); ``token``: required from every client (default
     ``$PERSIST_PUBSUB_TOKEN``); a non-loopback ``host`` needs ``allow_remote``;
     ``metrics_port``: serve Prometheus metrics on ``metrics_host`` (loopback unless
-    ``allow_remote``) at that port.
+    ``allow_remote``) at that port; ``consumer_lag``: the (Blob, Consensus) URIs whose named
+    consumers' lag those metrics include (``--consumer-lag``, :mod:`.consumer_lag`).
     """
     from .server import serve as _serve
 
@@ -249,6 +251,7 @@ def serve(
         allow_remote=allow_remote,
         metrics_host=metrics_host,
         metrics_port=metrics_port,
+        consumer_lag=consumer_lag,
     )
 
 

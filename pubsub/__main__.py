@@ -1,5 +1,6 @@
 """``python -m pyspark_persist.pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K]
-[--token T] [--allow-remote] [--metrics-port N [--metrics-host H]]``: the PubSub server.
+[--token T] [--allow-remote] [--metrics-port N [--metrics-host H] [--consumer-lag [--blob URI]
+[--consensus URI]]]``: the PubSub server.
 
 The same as ``persist pubsub serve``, for environments without the console script.
 """
@@ -10,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ..state.errors import InvalidUsage
 from . import serve
 from .server import DEFAULT_HOST, DEFAULT_PORT
 
@@ -49,6 +51,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"address of the metrics endpoint (default {DEFAULT_HOST}; another needs "
         "--allow-remote)",
     )
+    parser.add_argument(
+        "--consumer-lag",
+        action="store_true",
+        help="also export every named consumer's lag (rows, bytes, times behind; held) at the "
+        "location --blob/--consensus on the metrics endpoint; these gauges name shards",
+    )
+    parser.add_argument(
+        "--blob", default=None, help="Blob URI of --consumer-lag (default: the embedded default)"
+    )
+    parser.add_argument(
+        "--consensus",
+        default=None,
+        help="Consensus URI of --consumer-lag (default: the embedded default)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,7 +90,20 @@ def serve_parsed(ns: argparse.Namespace) -> int:
         allow_remote=ns.allow_remote,
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
+        consumer_lag=_lag_location(ns),
     )
+
+
+def _lag_location(ns: argparse.Namespace) -> tuple[str, str] | None:
+    """The (Blob, Consensus) URIs of ``--consumer-lag``; None without it (a location flag
+    alone is refused: it would do nothing)."""
+    if not ns.consumer_lag:
+        if ns.blob or ns.consensus:
+            raise InvalidUsage("--blob/--consensus name where --consumer-lag reads: pass it too")
+        return None
+    from ..state.client import default_blob_uri, default_consensus_uri
+
+    return ns.blob or default_blob_uri(), ns.consensus or default_consensus_uri()
 
 
 if __name__ == "__main__":

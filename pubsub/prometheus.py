@@ -6,13 +6,15 @@
 ``# TYPE``, one ``name value`` line per metric) is written here rather than
 through ``prometheus_client``: eleven numbers do not justify a dependency, and
 the values are read from the server at scrape time, so nothing is kept twice.
-No metric names a shard or a peer: the endpoint says how busy the server is,
-not what it carries.
+No metric of the server names a shard or a peer: the endpoint says how busy the
+server is, not what it carries. Named consumers' lag, which does name shards and
+consumers, is added only with ``--consumer-lag`` (:mod:`.consumer_lag`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
@@ -111,8 +113,16 @@ class MetricsEndpoint:
     """
 
     def __init__(
-        self, server: MetricsSource, host: str, port: int, *, allow_remote: bool = False
+        self,
+        server: MetricsSource,
+        host: str,
+        port: int,
+        *,
+        allow_remote: bool = False,
+        extra: Callable[[], str] | None = None,
     ) -> None:
+        """``extra``: more metrics in the text format, appended to each scrape (the consumers'
+        lag, :mod:`.consumer_lag`)."""
         if not allow_remote and not is_loopback(host):
             raise InvalidUsage(
                 f"refusing to serve PubSub metrics on non-loopback address {host!r}: pass "
@@ -121,6 +131,7 @@ class MetricsEndpoint:
         self.host = host
         self.port = port
         self._server = server
+        self._extra = extra
         self._httpd: ThreadingHTTPServer | None = None
 
     @property
@@ -130,14 +141,15 @@ class MetricsEndpoint:
 
     def start(self) -> MetricsEndpoint:
         """Bind and serve; an OSError naming the fix if the port is taken."""
-        source = self._server
+        source, extra = self._server, self._extra
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
                     return
-                body = render(source.metrics()).encode()
+                text = render(source.metrics()) + (extra() if extra is not None else "")
+                body = text.encode()
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE)
                 self.send_header("Content-Length", str(len(body)))

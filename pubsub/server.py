@@ -47,8 +47,8 @@ import logging
 import re
 import signal
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -57,6 +57,9 @@ from ..state.errors import InvalidUsage
 from . import persist_pubsub_pb2 as pb
 from . import persist_pubsub_pb2_grpc as pb_grpc
 from .addresses import is_loopback
+
+if TYPE_CHECKING:
+    from .consumer_lag import ConsumerLag
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +240,8 @@ class _Servicer(pb_grpc.ProtoPersistPubSubServicer):
                 return "push_diff: seqno must be at least 1"
             counters["diffs_received"] += 1
             counters["bytes_received"] += msg.ByteSize()
+            if self._server.on_push is not None:
+                self._server.on_push(push.shard_id, push.seqno)
             # Forward only what a receiver needs, whatever else the sender put in the message.
             forwarded = pb.ProtoPubSubMessage(
                 push_diff=pb.ProtoPushDiff(
@@ -327,6 +332,9 @@ class PubSubServer:
         self._error: BaseException | None = None
         self._grace_s = 0.0
         self._trims = 0
+        self.on_push: Callable[[str, int], None] | None = None
+        """Told every push's topic and SeqNo, on the server's event loop (it must not block):
+        how ``--consumer-lag`` learns which shards to read again."""
 
     def authorized(self, metadata: Any) -> bool:
         """Whether a stream's metadata carries the token (always, when none is required)."""
@@ -457,21 +465,36 @@ def serve(
     allow_remote: bool = False,
     metrics_host: str = DEFAULT_HOST,
     metrics_port: int | None = None,
+    consumer_lag: tuple[str, str] | None = None,
 ) -> int:
     """Run a PubSub server in the foreground until SIGINT/SIGTERM (the ``persist pubsub serve``
     command); ``tls_cert``/``tls_key`` are PEM file paths; with ``metrics_port`` (0: any free
     port), its Prometheus metrics are served on ``http://metrics_host:port/metrics``. Returns
-    the exit status."""
+    the exit status. ``consumer_lag``: the (Blob, Consensus) URIs whose named consumers' lag
+    the metrics endpoint exports too (:mod:`.consumer_lag`)."""
     from . import read_tls_pair
     from .prometheus import MetricsEndpoint
 
+    if consumer_lag is not None and metrics_port is None:
+        raise InvalidUsage(
+            "--consumer-lag exports the lag on the metrics endpoint: give --metrics-port too"
+        )
     cert, key = read_tls_pair(tls_cert, tls_key)
     server = PubSubServer(
         host, port, tls_cert=cert, tls_key=key, token=token, allow_remote=allow_remote
     )
     endpoint = None
+    lag = None if consumer_lag is None else _consumer_lag(*consumer_lag)
+    if lag is not None:
+        server.on_push = lag.pushed
     if metrics_port is not None:  # checked (loopback) before the server binds
-        endpoint = MetricsEndpoint(server, metrics_host, metrics_port, allow_remote=allow_remote)
+        endpoint = MetricsEndpoint(
+            server,
+            metrics_host,
+            metrics_port,
+            allow_remote=allow_remote,
+            extra=None if lag is None else lag.render,
+        )
     server.start()
     if endpoint is not None:
         try:
@@ -482,7 +505,8 @@ def serve(
     extras = (" with TLS" if cert else "") + (" requiring a token" if token else "")
     print(f"persist pubsub: serving on {server.address}{extras} (Ctrl-C to stop)", flush=True)
     if endpoint is not None:
-        print(f"persist pubsub: metrics on {endpoint.url}", flush=True)
+        lagging = f" (with the consumers' lag of {consumer_lag[1]})" if consumer_lag else ""
+        print(f"persist pubsub: metrics on {endpoint.url}{lagging}", flush=True)
     done = threading.Event()
 
     def _stop(*_: object) -> None:
@@ -503,3 +527,14 @@ def serve(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _consumer_lag(blob_uri: str, consensus_uri: str) -> ConsumerLag:
+    """The lag gauges of the consumers at ``blob_uri``/``consensus_uri``, read by a client of
+    its own (no background maintenance, no PubSub: the server's pushes reach it directly)."""
+    from ..state.client import PersistClient
+    from ..state.config import PersistConfig
+    from .consumer_lag import ConsumerLag
+
+    client = PersistClient.open(blob_uri, consensus_uri, config=PersistConfig(maintenance=False))
+    return ConsumerLag(client)

@@ -88,7 +88,12 @@ all run), each a named :class:`Piece`:
   overlapping keys on a keyed shard, a snapshot reader and a listen of it:
   at most one row per key at every time, and each commit's change is the
   serial application of its write, in commit (SeqNo) order
-  (:func:`check_keyed`).
+  (:func:`check_keyed`);
+- ``consumers`` (:class:`Consumers`): a named consumer of a shard of its own,
+  taken back and forth by two holders (one getting its lost replies as
+  Indeterminate), reset (forced) now and then, watched throughout: it moves
+  back only by a reset, a fenced holder never moves it, since never passes
+  its hold, and an acknowledged advance is what it holds.
 
 The resend, abort and short-grace pieces share :class:`ModelShard`: the
 piece is its shard's one writer, so it knows exactly which writes landed and
@@ -138,6 +143,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import json
 import multiprocessing
 import os
 import queue
@@ -166,6 +172,7 @@ from pyspark_persist.state import (
     PersistClient,
     PersistConfig,
     ReadHandle,
+    Shard,
     StagedBatch,
     UpperMismatch,
     WriteHandle,
@@ -183,6 +190,7 @@ from pyspark_persist.state.consensus import (
 )
 from pyspark_persist.state.drop import drop_shard
 from pyspark_persist.state.errors import (
+    ConsumerFenced,
     CorruptData,
     Determinate,
     Indeterminate,
@@ -200,6 +208,7 @@ from pyspark_persist.state.logs import configure as configure_logs
 from pyspark_persist.state.machine import DiffPublisher
 from pyspark_persist.state.registry import blob_kind, consensus_kind
 from pyspark_persist.state.staging import delete_staged
+from pyspark_persist.state.state import ConsumerState, ShardState
 from pyspark_persist.state.unreliable import (
     BLOB_OPS,
     FAULT_KINDS,
@@ -233,6 +242,7 @@ SLOW_INDEX = 800
 REPLACE_INDEX = 900
 """Writer index of the replacer, which replaces a second shard's contents with each write."""
 DROP_INDEX, RESEND_INDEX, ABORT_INDEX, GRACE_INDEX, PUSH_INDEX = 910, 920, 930, 940, 950
+CONSUMER_INDEX = 960
 """Writer indexes of the pieces on shards of their own (drop, resend, abort, short-grace,
 pushes): their keys name them."""
 LIVE_OPS = (
@@ -506,6 +516,38 @@ def upsert_without_retraction() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def consumer_holds_ignored() -> Iterator[None]:
+    """Since computed from the readers' holds alone, as before named consumers: retention and
+    compaction pass what a consumer has not consumed."""
+    from unittest import mock
+
+    from pyspark_persist.state import commands, retention
+
+    with (
+        mock.patch.object(commands, "consumer_holds", lambda consumers: []),
+        mock.patch.object(retention, "consumer_holds", lambda consumers: []),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def consumer_fence_ignored() -> Iterator[None]:
+    """An advance that does not compare its epoch: a fenced holder moves the consumer on."""
+    from unittest import mock
+
+    from pyspark_persist.state import consumers
+
+    real = consumers.advance_consumer
+
+    def unfenced(state: Any, *, name: str, epoch: int, **kwargs: Any) -> Any:
+        current = state.consumers.get(name)
+        return real(state, name=name, epoch=current.epoch if current else epoch, **kwargs)
+
+    with mock.patch.object(consumers, "advance_consumer", unfenced):
+        yield
+
+
 def _lost_replies_reach_caller(config: PersistConfig) -> PersistConfig:
     """The writers' config under ``fresh_tokens``: every lost reply reaches the (buggy) caller."""
     return dataclasses.replace(config, retry_timeout_s=1e-9)
@@ -617,6 +659,19 @@ SABOTAGE: dict[str, Sabotage] = {
         caught_by=("two live rows", "holds key", "serial application"),
         patch=upsert_without_retraction,
         faults=("keyed",),
+    ),
+    "consumer_holds_ignored": Sabotage(
+        "since computed without the named consumers' holds: retention passes what a consumer "
+        "has not consumed",
+        caught_by=("consumers: the shard's since",),
+        patch=consumer_holds_ignored,
+        faults=("consumers",),
+    ),
+    "consumer_fence_ignored": Sabotage(
+        "an advance that ignores its epoch: a fenced holder moves the consumer",
+        caught_by=("a fenced holder advanced", "moved back", "is not what the consumer holds"),
+        patch=consumer_fence_ignored,
+        faults=("consumers",),
     ),
 }
 """Deliberate bugs the checker must detect, by ``--sabotage`` name."""
@@ -3119,6 +3174,241 @@ def check_keyed(
             )
 
 
+CONSUMER_NAME = "c"
+"""The one named consumer of the ``consumers`` piece's shard."""
+
+
+class Consumers(Piece):
+    """A named consumer (``state/consumers.py``) of a shard of its own, taken back and forth by
+    two holders, each advancing it (with the next micro-batch's plan) a few times before the
+    other acquires it and fences it, and reset (forced) now and then, while a writer moves
+    the upper and the clients' maintenance moves since by the shard's retention. Store faults
+    on every client; holder ``b``'s lost replies reach it as Indeterminate, and it retries
+    the same advance until the answer is known, as the Spark source's commit does.
+
+    Checked: the position never moves back except by a reset (a watcher reads the consumer
+    over and over); a holder never advances once another holder's acquire (or a reset) was
+    acknowledged before its advance began; since never passes an unexpired consumer's
+    hold; an acknowledged advance (after Indeterminate too) is what the consumer holds
+    until its holder moves it again or is fenced: position and plan, nothing lost.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx, "consumers")
+        self.shard_name = f"{ctx.shard_name}-consumers"
+        self._lock = threading.Lock()
+        self.fences: list[tuple[int, float]] = []
+        """(epoch, monotonic time acknowledged) of every acquire and reset."""
+        self.resets: list[tuple[float, int]] = []
+        """(monotonic time attempted, upper) of every reset attempted."""
+
+    def setup(self) -> None:
+        """The shard, with retention (since follows the consumer's hold) and [0, 1)."""
+        with reliable_client(self.ctx.loc) as setup:
+            shard = setup.open_shard(self.shard_name, SCHEMA, retention_ms=RETENTION_MS)
+            shard.writer("setup").compare_and_append(SCHEMA.empty_table(), 0, 1, token=1)
+        self.ctx.shards.append(self.shard_name)
+
+    def loops(self) -> dict[str, Callable[[], None]]:
+        """The writer, the two holders, the resetter and the watcher."""
+        return {
+            "consumers-writer": self.write,
+            "consumers-a": functools.partial(self.hold, "a", lost_replies=False),
+            "consumers-b": functools.partial(self.hold, "b", lost_replies=True),
+            "consumers-reset": self.reset,
+            "consumers-watch": self.watch,
+        }
+
+    def write(self) -> None:
+        """Move the upper: one write at a time, each acknowledged once."""
+        ctx = self.ctx
+        fc = ctx.client("consumers-writer")
+        writer = fc.client.open_shard(self.shard_name).writer("consumers-writer")
+        fc.enable()
+        upper, number = 1, 0
+        while not ctx.stop.is_set():
+            number += 1
+            _, upper = append_until_acked(
+                writer, CONSUMER_INDEX * KEY_PER_WRITER + number, number, upper
+            )
+            ctx.rec.op("consumers_writes")
+            ctx.stop.wait(random.uniform(0.005, 0.03))
+
+    def _fenced_before(self, epoch: int, started: float) -> int | None:
+        """A newer epoch acknowledged before ``started`` (None: none): whoever advances at
+        ``epoch`` from then on is fenced."""
+        with self._lock:
+            newer = [e for e, at in self.fences if e > epoch and at < started]
+        return max(newer) if newer else None
+
+    def hold(self, name: str, *, lost_replies: bool) -> None:
+        """Acquire the consumer, advance it a few times, pause; again until the run stops."""
+        ctx, rec = self.ctx, self.ctx.rec
+        rng = random.Random(ctx.seed_for(f"consumers-{name}"))
+        config = (lambda c: dataclasses.replace(c, retry_timeout_s=1e-9)) if lost_replies else None
+        fc = ctx.client(f"consumers-{name}", config=config)
+        shard = fc.client.open_shard(self.shard_name)
+        holder = f"holder {name}"
+        fc.enable()
+        with reliable_client(ctx.loc) as check_client:
+            check = check_client.open_shard(self.shard_name)
+            while not ctx.stop.is_set():
+                try:
+                    acquired = shard.acquire_consumer(CONSUMER_NAME, holder)
+                except (Determinate, Indeterminate):
+                    rec.op("consumers_acquire_errors")
+                    continue
+                with self._lock:
+                    self.fences.append((acquired.epoch, time.monotonic()))
+                rec.op("consumers_acquired")
+                for _ in range(rng.randint(1, 8)):
+                    if ctx.stop.is_set() or not self._advance(
+                        shard, check, holder, acquired.epoch, rng
+                    ):
+                        break
+                    ctx.stop.wait(rng.uniform(0.0, 0.02))
+                ctx.stop.wait(rng.uniform(0.0, 0.1))
+
+    def _advance(
+        self, shard: Shard, check: Shard, holder: str, epoch: int, rng: random.Random
+    ) -> bool:
+        """One advance at ``epoch`` to a time up to the upper, planning the next; False once
+        fenced. Checks the advance was allowed and that it stuck."""
+        rec = self.ctx.rec
+        started = time.monotonic()
+        # Mostly the state this client last saw, as a source's commit does: a holder fenced
+        # since then learns it only from the advance's refusal.
+        try:
+            state = shard.machine.fetch_latest() if rng.random() < 0.3 else shard.machine.state()
+        except (Determinate, Indeterminate):
+            return True
+        current = state.consumers.get(CONSUMER_NAME)
+        if current is None or current.epoch != epoch:
+            rec.op("consumers_fenced_seen")
+            return False
+        upper = rng.randint(current.upper, max(current.upper, state.upper))
+        position = json.dumps({"upper": upper, "by": holder, "epoch": epoch})
+        plan = (position, json.dumps({"upper": state.upper, "by": holder, "epoch": epoch}))
+        uncertain = False
+        give_up = time.monotonic() + FINISH_TIMEOUT_S
+        while True:
+            if time.monotonic() > give_up:
+                return False
+            try:
+                shard.advance_consumer(
+                    CONSUMER_NAME,
+                    epoch,
+                    position=position,
+                    upper=upper,
+                    since=max(upper - 1, 0),
+                    holder=holder,
+                    plan=plan,
+                )
+                break
+            except Indeterminate:
+                uncertain = True
+                rec.op("consumers_advance_indeterminate")
+            except Determinate:
+                rec.op("consumers_advance_errors")
+            except ConsumerFenced:
+                rec.op("consumers_fenced")
+                return False
+        rec.op("consumers_advances")
+        # An advance to the position the client's cached state already shows is answered
+        # from that state without a compare-and-set (it moves nothing, fenced or not).
+        newer = self._fenced_before(epoch, started) if position != current.position else None
+        if newer is not None:
+            rec.violation(
+                f"consumers: {holder} advanced consumer {CONSUMER_NAME!r} at epoch {epoch}, "
+                f"though epoch {newer} was acknowledged before the advance began (a fenced "
+                "holder advanced)"
+            )
+        now = check.machine.fetch_latest().consumers.get(CONSUMER_NAME)
+        if now is not None and now.epoch == epoch:
+            # (A plan with the same start already there is kept as it was: Spark replays it.)
+            if now.position != position or all(start != position for start, _ in now.planned):
+                after = " after Indeterminate" if uncertain else ""
+                rec.violation(
+                    f"consumers: {holder}'s acknowledged advance{after} to {position} (planning "
+                    f"{plan[1]}) is not what the consumer holds at the same epoch: position "
+                    f"{now.position}, planned {now.planned}"
+                )
+        return True
+
+    def reset(self) -> None:
+        """Now and then, a forced reset to a time from since + 1 up to the upper."""
+        ctx, rec = self.ctx, self.ctx.rec
+        rng = random.Random(ctx.seed_for("consumers-reset"))
+        fc = ctx.client("consumers-reset")
+        shard = fc.client.open_shard(self.shard_name)
+        fc.enable()
+        while not ctx.stop.wait(rng.uniform(0.1, 0.4)):
+            try:
+                state = shard.machine.fetch_latest()
+            except (Determinate, Indeterminate):
+                continue
+            if CONSUMER_NAME not in state.consumers or state.upper <= state.since + 1:
+                continue
+            upper = rng.randint(state.since + 1, state.upper)
+            with self._lock:
+                self.resets.append((time.monotonic(), upper))
+            position = json.dumps({"upper": upper, "reset": True})
+            try:
+                done = shard.reset_consumer(
+                    CONSUMER_NAME, position=position, upper=upper, since=upper - 1, force=True
+                )
+            except InvalidFrontier:
+                rec.op("consumers_resets_past_since")  # since moved on meanwhile
+                continue
+            except (Determinate, Indeterminate):
+                rec.op("consumers_reset_errors")
+                continue
+            with self._lock:
+                self.fences.append((done.epoch, time.monotonic()))
+            rec.op("consumers_resets")
+
+    def watch(self) -> None:
+        """Read the consumer over and over: it never moves back but by a reset, and since never
+        passes its hold."""
+        ctx = self.ctx
+        with reliable_client(ctx.loc) as client:
+            shard = client.open_shard(self.shard_name)
+            previous: ConsumerState | None = None
+            while not ctx.stop.wait(0.005):
+                began = time.monotonic()
+                state = shard.machine.fetch_latest()
+                current = state.consumers.get(CONSUMER_NAME)
+                if current is None:
+                    continue
+                self._check_since(state, current)
+                if previous is not None and current.upper < previous.upper:
+                    with self._lock:
+                        reset = any(at < began and u <= current.upper for at, u in self.resets)
+                    if not reset:
+                        ctx.rec.violation(
+                            f"consumers: consumer {CONSUMER_NAME!r} moved back from upper "
+                            f"{previous.upper} (epoch {previous.epoch}) to {current.upper} "
+                            f"(epoch {current.epoch}) with no reset to there"
+                        )
+                ctx.rec.op("consumers_watched")
+                previous = current
+
+    def _check_since(self, state: ShardState, consumer: ConsumerState) -> None:
+        if not consumer.expired and state.since > consumer.since:
+            self.ctx.rec.violation(
+                f"consumers: the shard's since {state.since} passed consumer "
+                f"{CONSUMER_NAME!r}'s hold {consumer.since} (SeqNo {state.seqno})"
+            )
+
+    def verify(self) -> None:
+        """The final state keeps the consumer's hold."""
+        with reliable_client(self.ctx.loc) as client:
+            state = client.open_shard(self.shard_name).machine.fetch_latest()
+        consumer = state.consumers.get(CONSUMER_NAME)
+        if consumer is not None:
+            self._check_since(state, consumer)
+
+
 FAULTS: dict[str, Callable[[Context], Piece]] = {
     "maintenance": Maintainer,
     "slow-writer": SlowWriter,
@@ -3129,6 +3419,7 @@ FAULTS: dict[str, Callable[[Context], Piece]] = {
     "short-grace": ShortGrace,
     "pushes": PushedListen,
     "keyed": KeyedShard,
+    "consumers": Consumers,
 }
 """The fault menu: each entry builds one named piece of the run (``--faults`` picks)."""
 

@@ -14,6 +14,9 @@ Commands::
     persist shards gc NAME [--dry-run] [--json]          # GC now (with the orphan sweep)
     persist shards alter NAME --retention 7d [--json]    # set the retention period (0: none)
     persist shards drop NAME [--yes] [--force] [--json]  # delete the shard
+    persist consumers list|show SHARD [--json]           # named consumers: position, lag, holder
+    persist consumers reset SHARD NAME --to-time T|--to-seqno N [--force] [--json]
+    persist consumers drop SHARD NAME [--force] [--json]
     persist pubsub serve [--host H] [--port P] [--tls-cert C --tls-key K] [--token T]
                          [--allow-remote] [--metrics-port N]  # the PubSub server, in the foreground
     persist bench core|maintenance|pubsub|spark-read|spark-write|load|all [flags]
@@ -788,6 +791,7 @@ def gc(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
                 "rollups": list(plan.rollups),
                 "consensus_rows": plan.consensus_rows,
                 "orphans": list(plan.orphans),
+                "consumers_expired": list(_idle_consumers(shard)),
             }
         if _progress_enabled():
             print(f"collecting garbage of {shard.name} ...", end="", file=sys.stderr, flush=True)
@@ -803,8 +807,17 @@ def gc(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
         "orphans_deleted": report.orphans_deleted,
         "readers_expired": list(report.readers_expired),
         "writers_expired": list(report.writers_expired),
+        "consumers_expired": list(report.consumers_expired),
         "seconds": round(time.monotonic() - started, 3),
     }
+
+
+def _idle_consumers(shard: Shard) -> tuple[str, ...]:
+    """The consumers a GC pass now would mark expired (read only)."""
+    from pyspark_persist.state.consumers import expire_consumers
+
+    machine = shard.machine
+    return expire_consumers(machine.fetch_latest(), now_ms=machine.clock_ms()).result
 
 
 def format_gc(result: dict[str, Any]) -> str:
@@ -815,9 +828,11 @@ def format_gc(result: dict[str, Any]) -> str:
             f"shard {name!r}: gc up to SeqNo {result['seqno_since']} would delete "
             f"{len(result['parts'])} part(s), {len(result['rollups'])} rollup(s), about "
             f"{result['consensus_rows']} consensus row(s), {len(result['orphans'])} orphan(s); "
-            f"expire {len(result['readers_expired'])} reader(s) (dry run: nothing changed)"
+            f"expire {len(result['readers_expired'])} reader(s), "
+            f"{len(result['consumers_expired'])} idle consumer(s) (dry run: nothing changed)"
         ]
         lines += [f"  reader {r}" for r in result["readers_expired"]]
+        lines += [f"  consumer {c} (idle past its expiry)" for c in result["consumers_expired"]]
         lines += [f"  part {k}" for k in result["parts"]]
         lines += [f"  rollup at SeqNo {s}" for s in result["rollups"]]
         lines += [f"  orphan {k}" for k in result["orphans"]]
@@ -827,7 +842,10 @@ def format_gc(result: dict[str, Any]) -> str:
         f"{result['parts_deleted']} part(s), {result['rollups_deleted']} rollup(s), "
         f"{result['consensus_rows_deleted']} consensus row(s), {result['orphans_deleted']} "
         f"orphan(s); expired {len(result['readers_expired'])} reader(s), "
-        f"{len(result.get('writers_expired', []))} idle writer(s); in {result['seconds']:.2f} s"
+        f"{len(result.get('writers_expired', []))} idle writer(s), "
+        f"{len(result.get('consumers_expired', []))} idle consumer(s)"
+        + "".join(f" ({c} stops holding data)" for c in result.get("consumers_expired", []))
+        + f"; in {result['seconds']:.2f} s"
     )
 
 
@@ -1080,7 +1098,8 @@ class _TimeParam(click.ParamType):
         from pyspark_persist.state.times import parse_time
 
         try:
-            return parse_time(value if isinstance(value, int) else str(value), "--as-of")
+            flag = param.opts[0] if param is not None and param.opts else "--as-of"
+            return parse_time(value if isinstance(value, int) else str(value), flag)
         except InvalidUsage as e:
             self.fail(str(e), param, ctx)
 
@@ -1332,6 +1351,34 @@ def shards_drop(name: str, yes: bool, force: bool, as_json: bool) -> int:
     return _emit(result, as_json, format_drop)
 
 
+class _ConsumerCommands(click.Group):
+    """``persist consumers NAME``: the commands of
+    :mod:`pyspark_persist.tools.consumer_commands`, imported when one runs (that module builds on
+    this one's helpers, so it is loaded after it)."""
+
+    def _commands(self) -> dict[str, click.Command]:
+        return dict(importlib.import_module("pyspark_persist.tools.consumer_commands").COMMANDS)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        """``list``, ``show``, ``reset``, ``drop``."""
+        return list(self._commands())
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """The command ``cmd_name`` (None: click's usage error names the choices)."""
+        return self._commands().get(cmd_name)
+
+
+@cli.group(
+    cls=_ConsumerCommands,
+    context_settings=CONTEXT,
+    no_args_is_help=False,
+    short_help="List, show, reset and drop a shard's named consumers.",
+)
+def consumers() -> None:
+    """A shard's named consumers (.option("consumer", NAME) on a stream): where each is, how far
+    behind, who holds it; move or remove one. See persist consumers COMMAND --help."""
+
+
 @cli.group(context_settings=CONTEXT, no_args_is_help=False, short_help="The PubSub server.")
 def pubsub() -> None:
     """Push committed state diffs between processes (see persist pubsub serve --help)."""
@@ -1354,7 +1401,12 @@ def pubsub_serve(args: tuple[str, ...]) -> int:
         "reading with pubsub=host:port get each committed state diff pushed to them.",
     )
     add_serve_arguments(parser)
-    return serve_parsed(parser.parse_args(list(args)))
+    location: list[str] = []
+    if "--consumer-lag" in args:  # the root's --blob/--consensus name where it reads
+        given = _where()
+        location += [*("--blob", given.blob)] if given.blob else []
+        location += [*("--consensus", given.consensus)] if given.consensus else []
+    return serve_parsed(parser.parse_args([*location, *args]))
 
 
 class _Benchmarks(click.Group):

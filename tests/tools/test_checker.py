@@ -54,6 +54,22 @@ def test_checker_mem(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_checker_consumers_piece() -> None:
+    """The consumers piece alone: holders fence each other, resets land, lost replies reach a
+    holder as Indeterminate, and the watcher checks the consumer throughout; no violation."""
+    report = checker.run(
+        seed=404, duration_s=BUDGET_S, writers=1, backend="mem", faults=["consumers"]
+    )
+    print(report.render())
+    assert report.ok, report.render()
+    ops = report.ops
+    assert ops["consumers_advances"] > 20 and ops["consumers_acquired"] > 5, report.render()
+    assert ops["consumers_fenced"] + ops["consumers_fenced_seen"] > 0, report.render()
+    assert ops["consumers_resets"] > 0 and ops["consumers_watched"] > 100, report.render()
+    assert report.faults["fail_after"] > 0, report.render()
+
+
+@pytest.mark.slow
 def test_checker_file_sqlite_with_processes(tmp_path: Path) -> None:
     """Threads and spawned writer processes on file/sqlite: no violation."""
     report = checker.run(

@@ -131,6 +131,37 @@ CASES: dict[str, Case] = {
         "cannot serve PubSub metrics on 127.0.0.1:",
         "pick another with --metrics-port",
     ),
+    "consumers-list-missing": Case(("consumers", "list", "nope"), 1, MISSING, SEE_LIST),
+    "consumers-show-unknown": Case(
+        ("consumers", "show", "events", "to-pg"),
+        1,
+        "shard 'events' has no consumer 'to-pg' (its consumers: none)",
+        "check the name (persist consumers list SHARD)",
+    ),
+    "consumers-reset-unknown": Case(
+        ("consumers", "reset", "events", "to-pg", "--to-time", "1"),
+        1,
+        "has no consumer 'to-pg'",
+        "or start a query with .option('consumer', 'to-pg') to create it",
+    ),
+    "consumers-reset-target": Case(
+        ("consumers", "reset", "events", "to-pg"),
+        2,
+        "give exactly one of --to-time T and --to-seqno N",
+        "see persist consumers reset --help",
+    ),
+    "consumers-drop-name": Case(
+        ("consumers", "drop", "events", "to pg"),
+        2,
+        "invalid consumer name 'to pg'",
+        "use 1 to 128 letters, digits, '-', '_' or '.'",
+    ),
+    "serve-consumer-lag": Case(
+        ("pubsub", "serve", "--port", "0", "--consumer-lag"),
+        1,
+        "--consumer-lag exports the lag on the metrics endpoint",
+        "give --metrics-port too",
+    ),
     "bench-name": Case(("bench", "nope"), 2, "No such command 'nope'", "see persist bench --help"),
     "bench-flag": Case(
         ("bench", "core", "--nope"),
@@ -159,6 +190,12 @@ UNREACHABLE: dict[str, Case] = {
     ),
     "gc-pg": Case(
         (*STORE_TIMEOUT, "--consensus", UNREACHABLE_PG, "shards", "gc", "events"),
+        1,
+        PG_DOWN,
+        PG_FIX,
+    ),
+    "consumers-pg": Case(
+        (*STORE_TIMEOUT, "--consensus", UNREACHABLE_PG, "consumers", "list", "events"),
         1,
         PG_DOWN,
         PG_FIX,
