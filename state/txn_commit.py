@@ -34,8 +34,8 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from types import TracebackType
@@ -50,8 +50,8 @@ from .consensus import CaSCommitted, CaSOp, Consensus, VersionedData
 from .diff import encode
 from .errors import Determinate, Indeterminate, InvalidUpdates, InvalidUsage, PersistError
 from .machine import Machine
-from .schema import conform_updates, decode_schema
 from .part_formats import new_part_key
+from .schema import conform_updates, decode_schema
 from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
 from .txn import Replan, Share, TxnAlreadyCommitted, TxnPlan, commit_time, plan_txn
