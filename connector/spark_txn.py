@@ -37,7 +37,7 @@ from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import client_for
 from pyspark_persist.state import PersistClient, StagedBatch, Time, Txn
 from pyspark_persist.state.errors import InvalidUsage
-from pyspark_persist.writer import _prepare_shard, _staged_rows, stage_rows
+from pyspark_persist.writer import prepare_shard, stage_rows, staged_rows
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -120,7 +120,7 @@ class SparkTxn:
         ``retentionMs``, ``partSizeBytes``).
         """
         opts = self._parse(shard, options)
-        schema = _prepare_shard(opts, df.schema)
+        schema = prepare_shard(opts, df.schema)
         t = self._begin(opts)
         if schema.keys:
             self._upsert(t, opts, df, schema.staged, schema.has_diff)
@@ -134,7 +134,7 @@ class SparkTxn:
         """Upsert ``df``'s rows into keyed ``shard`` (``sequenceColumn``, ``deleteColumn`` in
         ``options`` as for the sink); one upsert per keyed shard per transaction."""
         opts = self._parse(shard, options)
-        schema = _prepare_shard(opts, df.schema)
+        schema = prepare_shard(opts, df.schema)
         if not schema.keys:
             raise InvalidUsage(
                 f"pyspark_persist.txn: shard {shard!r} has no keys, so it cannot be upserted: "
@@ -153,7 +153,7 @@ class SparkTxn:
         parts = [p for b in self._stage(t, opts, df, staged, has_diff) for p in b.parts]
         shard = client_for(opts).open_shard(opts.shard, create=False)
         try:
-            rows = _staged_rows(opts, shard, parts)
+            rows = staged_rows(opts, shard, parts)
         finally:
             # No commit references them: the transaction stages the upsert's own updates.
             shard.client.blob.delete_many(p.key for p in parts if p.key is not None)

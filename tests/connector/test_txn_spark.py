@@ -135,8 +135,8 @@ def test_failures_leave_every_shard_as_it_was(spark: SparkSession, tmp_path: Pat
         pytest.raises(SchemaMismatch),
         pyspark_persist.txn(spark, writerId="etl", txnVersion=1, **location) as t,
     ):
-        t.append(changed, plain)
-        t.append(wrong, keyed)
+        t.upsert(changed, keyed)
+        t.append(wrong, plain)
     assert {s: client.open_shard(s).state().seqno for s in (plain, keyed)} == seqnos
     assert blob_files() == files
     # The version was never spent: the same transaction now commits.

@@ -90,3 +90,19 @@ def test_a_keyed_shard_takes_no_staged_batch(client: PersistClient) -> None:
     with pytest.raises(InvalidUsage, match="keyed by"):
         t.append_staged(k, [stage(client, k, [1])])
     assert blob_keys(client) == before
+
+
+def test_inline_batches_go_to_blob_when_state_is_full(client: PersistClient) -> None:
+    """Parts staged inline elsewhere (tiny Spark tasks) ride in state only within its inline
+    cap; past it they are written to Blob before the commit references them."""
+    tag = uuid.uuid4().hex
+    config = PersistConfig(inline_write_max_bytes=16, inline_total_max_bytes=64, maintenance=False)
+    small = PersistClient(client.blob, client.consensus, config=config)
+    a = "a" + tag[:8]
+    small.open_shard(a, SCHEMA)
+    batch = stage(small, a, list(range(50)), inline=True)
+    assert all(p.inline is not None for p in batch.parts) and batch.size_bytes > 64
+    with small.txn(writer_id="etl", token=1) as t:
+        t.append_staged(a, [batch])
+    state = small.open_shard(a).state()
+    assert state.inline_bytes == 0 and ids(small, a, t.commit_time) == list(range(50))
