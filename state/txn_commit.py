@@ -23,6 +23,12 @@ can reference it: at once when no attempt's outcome is unknown, else after
 a fence of each shard (:func:`~.write.abandon_staged`); whatever it cannot
 prove unreferenced is left to GC's orphan sweep.
 
+Writers that stage in other processes (Spark's executors, for
+``pyspark_persist.txn``) hand their staged batches to
+:meth:`Txn.append_staged`: checked by the caller before staging, owned by the
+transaction from then on (deleted as its own parts are when it fails or
+lands nothing), and committed with the rest.
+
 Shards that take no part pay nothing: their commits are single-key
 compare-and-sets as before. The cost of the design is that every
 participant must live in one Consensus store (they do: a client has one).
