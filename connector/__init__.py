@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pyspark_persist.source import PersistDataSource as DefaultSource
+    from pyspark_persist.spark_txn import txn
 
-__all__ = ["DefaultSource"]
+__all__ = ["DefaultSource", "txn"]
 
 
 def __getattr__(name: str) -> Any:
@@ -51,4 +52,8 @@ def __getattr__(name: str) -> Any:
         from pyspark_persist.source import PersistDataSource
 
         return PersistDataSource
+    if name == "txn":
+        from pyspark_persist.spark_txn import txn
+
+        return txn
     raise AttributeError(f"module 'pyspark_persist' has no attribute {name!r}")

@@ -102,7 +102,7 @@ def open_shard(opts: PersistOptions) -> Shard:
     commit is one round trip. A drop is no PubSub diff, though: a shard
     dropped since makes the compare-and-set find it gone (ShardNotFound,
     nothing committed). That is why the sink's schema check before any task
-    (``writer._prepare_shard``) reads Consensus instead of this.
+    (``writer.prepare_shard``) reads Consensus instead of this.
     """
     client = client_for(opts)
     machine = client.machine(opts.shard)

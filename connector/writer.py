@@ -261,7 +261,7 @@ class SinkSchema:
     """The shard's key columns: a keyed shard's writes upsert (see the module doc)."""
 
 
-def _prepare_shard(
+def prepare_shard(
     opts: PersistOptions, schema: StructType, expected: str | None = None
 ) -> SinkSchema:
     """Create the shard on first write, or check the DataFrame against it; before any task.
@@ -514,7 +514,7 @@ def _commit_keyed(
     try:
         if done is not None and token <= done.last_token:
             return AlreadyCommitted(token=done.last_token, upper=state.upper)
-        rows = _staged_rows(opts, shard, parts)
+        rows = staged_rows(opts, shard, parts)
         if not replace:
             return writer.upsert(
                 rows,
@@ -542,7 +542,7 @@ def _commit_keyed(
         shard.client.blob.delete_many(p.key for p in parts if p.key is not None)
 
 
-def _staged_rows(opts: PersistOptions, shard: Shard, parts: list[PartRef]) -> pa.Table:
+def staged_rows(opts: PersistOptions, shard: Shard, parts: list[PartRef]) -> pa.Table:
     """The rows the tasks staged (the row columns and the delete column), read on the driver."""
     blob = shard.client.blob
     leased = [LeasedPart(shard.name, blob.uri, p, 0, MAX_TIME, None, 0) for p in parts]
@@ -604,7 +604,7 @@ class PersistStreamWriter(DataSourceStreamArrowWriter):
         self._writer_id = query_writer_id(opts)
         checkpoint = opts.checkpoint_location
         expected = None if checkpoint is None else recorded_incarnation(checkpoint, opts.shard)
-        self._schema = _prepare_shard(opts, schema, expected)
+        self._schema = prepare_shard(opts, schema, expected)
         if checkpoint is not None and expected is None:
             # The query's first micro-batch: from here on it writes this incarnation only.
             record_incarnation(checkpoint, opts.shard, self._schema.incarnation)
@@ -656,7 +656,7 @@ class PersistBatchWriter(DataSourceArrowWriter):
             # One identity per write, so its token 1 is only ever this write's own retry.
             prefix = opts.writer_id or "spark-batch"
             self._writer_id, self._token = f"{prefix}.unversioned-{os.urandom(12).hex()}", 1
-        self._schema = _prepare_shard(opts, schema)
+        self._schema = prepare_shard(opts, schema)
         self._replace = overwrite
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PersistCommitMessage:

@@ -23,6 +23,12 @@ can reference it: at once when no attempt's outcome is unknown, else after
 a fence of each shard (:func:`~.write.abandon_staged`); whatever it cannot
 prove unreferenced is left to GC's orphan sweep.
 
+Writers that stage in other processes (Spark's executors, for
+``pyspark_persist.txn``) hand their staged batches to
+:meth:`Txn.append_staged`: checked by the caller before staging, owned by the
+transaction from then on (deleted as its own parts are when it fails or
+lands nothing), and committed with the rest.
+
 Shards that take no part pay nothing: their commits are single-key
 compare-and-sets as before. The cost of the design is that every
 participant must live in one Consensus store (they do: a client has one).
@@ -34,21 +40,25 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
 from types import TracebackType
 from typing import Protocol
 
 import pyarrow as pa
 
 from . import retry
+from .codec import ARROW, part_checksum
 from .config import PersistConfig
 from .consensus import CaSCommitted, CaSOp, Consensus, VersionedData
 from .diff import encode
 from .errors import Determinate, Indeterminate, InvalidUpdates, InvalidUsage, PersistError
 from .machine import Machine
+from .part_formats import new_part_key
 from .schema import conform_updates, decode_schema
-from .staging import BatchBuilder, delete_staged
+from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
 from .txn import Replan, Share, TxnAlreadyCommitted, TxnPlan, commit_time, plan_txn
 from .upsert import KnownRows, part_format, plan_attempt
@@ -80,6 +90,8 @@ class _Member:
     machine: Machine
     tables: list[pa.Table] = field(default_factory=list)
     """Unkeyed appends, conformed to the shard's schema (staged at commit)."""
+    prestaged: list[PartRef] = field(default_factory=list)
+    """Unkeyed appends staged elsewhere (:meth:`Txn.append_staged`: Spark's executors)."""
     upsert: UpsertWrite | None = None
     """A keyed shard's one upsert or delete (planned and staged at commit)."""
     share: Share | None = None
@@ -131,8 +143,13 @@ class Txn:
     ) -> None:
         if exc_type is None and not self._done:
             self.commit()
-        else:
-            self._done = True  # nothing staged before commit: nothing to delete
+            return
+        if not self._done:
+            # No commit was attempted: only parts staged elsewhere exist, and no state can
+            # reference them, so they go at once.
+            for m in self._members.values():
+                _delete(m.machine, m.prestaged)
+        self._done = True
 
     def _member(self, shard: str) -> _Member:
         """``shard``'s share so far, or a new one (joined by :meth:`_join` once its rows
@@ -164,6 +181,38 @@ class Txn:
                 "assigns one time to every shard's updates, drop the column"
             )
         member.tables.append(table)
+        self._join(shard, member)
+
+    def append_staged(self, shard: str, batches: Sequence[StagedBatch]) -> None:
+        """Add batches staged elsewhere to unkeyed ``shard``'s share; the transaction owns
+        their parts from here on (deleted as its own when it fails or commits nothing).
+
+        For writers that stage in other processes, as Spark's executors do
+        (``pyspark_persist.txn``): each batch must have been staged against
+        the shard's current schema, which the caller checked before staging,
+        and without times (the commit assigns ``T``). No batches at all still
+        makes ``shard`` a participant: its token is recorded, and its upper
+        moves to ``T + 1``.
+        """
+        member = self._member(shard)
+        state = member.machine.state()
+        parts = [p for b in batches for p in b.parts]
+        if state.keys:
+            _delete(member.machine, parts)
+            raise InvalidUsage(
+                f"shard {shard!r} is keyed by {list(state.keys)}: staged batches cannot be "
+                "appended to it; give its rows to upsert() or delete()"
+            )
+        timed = [b.shard_id for b in batches if b.has_time or b.shard_id != shard]
+        if timed:
+            _delete(member.machine, parts)
+            raise InvalidUsage(
+                f"batches staged for the transaction's shard {shard!r} must be staged for it "
+                f"and carry no _time (the commit assigns one), got {timed[0]!r} batches that do "
+                "not; stage them again"
+            )
+        member.prestaged.extend(parts)
+        member.staged.extend(parts)
         self._join(shard, member)
 
     def upsert(
@@ -316,6 +365,34 @@ class Txn:
         for m in todo:
             if m.share is None:
                 self._stage_tables(m)
+        for m in members.values():
+            if m.upsert is None and m.share is None:
+                m.share = Share(m.machine.shard_id)
+            if m.prestaged:
+                assert m.share is not None
+                m.share = dc_replace(m.share, parts=m.share.parts + self._fit_inline(m))
+
+    def _fit_inline(self, member: _Member) -> tuple[PartRef, ...]:
+        """The parts staged elsewhere, their inline ones written to Blob first when the
+        shard's state cannot take them too (as :meth:`~.write.WriteHandle.fit_inline`)."""
+        machine = member.machine
+        share = member.share
+        assert share is not None
+        held = machine.state().inline_bytes + sum(
+            p.size_bytes for p in share.parts if p.inline is not None
+        )
+        inline = sum(p.size_bytes for p in member.prestaged if p.inline is not None)
+        if held + inline <= machine.config.inline_total_max_bytes:
+            return tuple(member.prestaged)
+        parts = []
+        for p in member.prestaged:
+            if p.inline is not None:
+                key = new_part_key(machine.shard_id, ARROW)
+                machine.blob.set(key, p.inline)
+                p = dc_replace(p, key=key, inline=None, crc=part_checksum(p.inline), fmt=ARROW)
+                member.staged.append(p)
+            parts.append(p)
+        return tuple(parts)
 
     def _stage_tables(self, member: _Member) -> None:
         machine = member.machine

@@ -390,6 +390,126 @@ def format_history(result: dict[str, Any]) -> str:
     )
 
 
+# --------------------------------------------------------------------------- txns
+
+OPEN_TXNS_NOTE = (
+    "an open (uncommitted) transaction lives only in the process that builds it: it is in no "
+    "shard's history and is not listed"
+)
+
+
+def _txn_commits(where: Location, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Each transaction found in the kept histories of ``names``: its id, time, writer and
+    each named shard's commit of it (read-only)."""
+    found: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(names):
+        with _shard(where, name) as (_client, shard):
+            commits = shard.history()
+        for c in commits:
+            if c.txn_id is None:
+                continue
+            txn = found.setdefault(
+                c.txn_id,
+                {
+                    "txn_id": c.txn_id,
+                    "time": c.upper - 1,
+                    "committed_ms": c.committed_ms,
+                    "writer_id": c.writer_id,
+                    "commits": {},
+                },
+            )
+            txn["commits"][name] = c.to_dict()
+    return found
+
+
+def list_txns(where: Location, names: Sequence[str], limit: int | None) -> dict[str, Any]:
+    """The newest ``limit`` transactions in the kept histories of ``names`` (``txns list``)."""
+    found = sorted(_txn_commits(where, names).values(), key=lambda t: t["time"], reverse=True)
+    kept = found if limit is None else found[:limit]
+    return {
+        "shards": list(dict.fromkeys(names)),
+        "transactions": [
+            {
+                **{k: t[k] for k in ("txn_id", "time", "committed_ms", "writer_id")},
+                "participants": sorted(t["commits"]),
+            }
+            for t in kept
+        ],
+        "total": len(found),
+        "note": OPEN_TXNS_NOTE,
+    }
+
+
+def format_txns(result: dict[str, Any]) -> str:
+    """The readable form of :func:`list_txns`: newest first, one line per transaction."""
+    named = ", ".join(result["shards"])
+    rows = result["transactions"]
+    if not rows:
+        return f"no committed transaction in the kept history of {named} ({result['note']})"
+    table = _table(
+        ["TXN", "TIME", "COMMITTED", "WRITER", "PARTICIPANTS"],
+        [
+            [
+                t["txn_id"],
+                t["time"],
+                "" if t["committed_ms"] is None else _iso(t["committed_ms"]),
+                t["writer_id"] or "",
+                ",".join(t["participants"]),
+            ]
+            for t in rows
+        ],
+    )
+    return (
+        f"{table}\n{len(rows)} of {result['total']} transaction(s) in the kept history of "
+        f"{named} (participants: those of these shards; {result['note']})"
+    )
+
+
+def show_txn(where: Location, txn_id: str, names: Sequence[str]) -> dict[str, Any]:
+    """Transaction ``txn_id``'s commit in each of ``names`` (``txns show``); CliError when
+    none of them holds it."""
+    txn = _txn_commits(where, names).get(txn_id)
+    if txn is None:
+        raise CliError(
+            f"transaction {txn_id!r} is in the kept history of none of {', '.join(names)}: "
+            "name a shard it wrote (persist txns list SHARD... lists them); GC truncates old "
+            f"history, and {OPEN_TXNS_NOTE}"
+        )
+    commits = txn.pop("commits")
+    return {
+        **txn,
+        "participants": sorted(commits),
+        "not_in": [n for n in dict.fromkeys(names) if n not in commits],
+        "commits": [{"shard": n, **c} for n, c in sorted(commits.items())],
+    }
+
+
+def format_txn(result: dict[str, Any]) -> str:
+    """The readable form of :func:`show_txn`: one line per participant's commit."""
+    committed = result["committed_ms"]
+    head = (
+        f"transaction {result['txn_id']} by writer {result['writer_id']!r} at time "
+        f"{result['time']}" + ("" if committed is None else f", committed {_iso(committed)}")
+    )
+    table = _table(
+        ["SHARD", "SEQNO", "TIMES", "PARTS", "ADDED", "RETRACTED"],
+        [
+            [
+                c["shard"],
+                c["seqno"],
+                f"[{c['lower']}, {c['upper']})",
+                c["parts"],
+                _history_sizes(c, "added"),
+                _history_sizes(c, "retracted"),
+            ]
+            for c in result["commits"]
+        ],
+    )
+    absent = result["not_in"]
+    tail = f"\nnot in: {', '.join(absent)}" if absent else ""
+    return f"{head}\n{table}{tail}"
+
+
 def _history_sizes(c: dict[str, Any], kind: str) -> str:
     """``rows (size)``, or for a compaction ``before -> after`` rows; mixed parts noted."""
     if c["operation"] == "compaction":
@@ -1377,6 +1497,44 @@ class _ConsumerCommands(click.Group):
 def consumers() -> None:
     """A shard's named consumers (.option("consumer", NAME) on a stream): where each is, how far
     behind, who holds it; move or remove one. See persist consumers COMMAND --help."""
+
+
+@cli.group(context_settings=CONTEXT, no_args_is_help=False)
+def txns() -> None:
+    """List and show the transactions across shards that committed (see docs/transactions.md)."""
+
+
+@txns.command("list", short_help="List recent transactions of some shards, newest first.")
+@_location_options
+@click.argument("names", metavar="SHARD...", nargs=-1, required=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="print the newest N transactions (default: all the histories keep)",
+)
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
+def txns_list(names: tuple[str, ...], limit: int | None, as_json: bool) -> int:
+    """List the transactions committed to any of the shards SHARD..., newest first: id, time,
+    commit time, writer, and which of these shards took part. Read from the shards' kept
+    histories (GC truncates older ones). An open transaction lives only in its process and is
+    not listed."""
+    return _emit(list_txns(_where(), names, limit), as_json, format_txns)
+
+
+@txns.command("show", short_help="Show one transaction's commit in each shard.")
+@_location_options
+@click.argument("txn_id", metavar="TXN")
+@click.argument("names", metavar="SHARD...", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_bounded
+def txns_show(txn_id: str, names: tuple[str, ...], as_json: bool) -> int:
+    """Show transaction TXN (an id from persist txns list) in the shards SHARD...: its time,
+    writer, and each shard's commit of it (SeqNo, times, rows added and retracted); the named
+    shards it is not in are listed too."""
+    return _emit(show_txn(_where(), txn_id, names), as_json, format_txn)
 
 
 @cli.group(context_settings=CONTEXT, no_args_is_help=False, short_help="The PubSub server.")

@@ -65,3 +65,12 @@ def test_batch_and_streaming_through_spark_connect(
     assert report["query"] == "pyspark.sql.connect.streaming.query.StreamingQuery"
     assert report["batch"] == [[i, 2 * i, 1] for i in range(ROWS)]
     assert report["stream"] == [[i, 1] for i in range(ROWS)]
+    # foreachBatch transactions: both shards got every micro-batch's commit at the same time;
+    # the client's replay of micro-batch 0 applied nothing.
+    txn = report["txn"]
+    assert txn["history"]["connect-even"] == txn["history"]["connect-odd"] != []
+    assert txn["ids"] == {
+        "connect-even": list(range(0, ROWS, 2)),
+        "connect-odd": list(range(1, ROWS, 2)),
+    }
+    assert txn["replay_applied"] is False

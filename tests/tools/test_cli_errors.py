@@ -83,6 +83,13 @@ CASES: dict[str, Case] = {
         "see persist shards tail --help",
     ),
     "history-missing": Case(("shards", "history", "nope"), 1, MISSING, SEE_LIST),
+    "txns-list-missing": Case(("txns", "list", "events", "nope"), 1, MISSING, SEE_LIST),
+    "txns-show-unknown": Case(
+        ("txns", "show", "0123abcd", "events"),
+        1,
+        "transaction '0123abcd' is in the kept history of none of events",
+        "name a shard it wrote (persist txns list SHARD... lists them)",
+    ),
     "alter-retention": Case(
         ("shards", "alter", "events", "--retention", "7 days"),
         2,

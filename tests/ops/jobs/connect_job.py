@@ -5,7 +5,10 @@ job's session is a Spark Connect client: ``remote("local[2]")`` starts a local
 Connect server (a JVM with Spark's Connect plugin) and talks to it over gRPC,
 so ``format("persist")`` runs in that server's Python workers. It writes a
 shard in batch and reads it back, then tails it with a streaming query into
-a second shard and reads that, and writes what it saw to OUT (JSON) for the
+a second shard and reads that, then splits it into two shards with a
+``foreachBatch`` transaction per micro-batch (``pyspark_persist.txn``, whose
+function Connect runs in a server-side Python worker) and replays its
+micro-batch 0 from the client, and writes what it saw to OUT (JSON) for the
 test to check.
 """
 
@@ -16,7 +19,9 @@ import os
 import sys
 from typing import Any
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
+
+import pyspark_persist
 
 ROWS = 500
 
@@ -52,9 +57,53 @@ def main() -> None:
     report["query"] = f"{type(query).__module__}.{type(query).__name__}"
     got = spark.read.format("persist").load("connect-out").select("id", "_diff")
     report["stream"] = sorted(tuple(r) for r in got.collect())
+    report["txn"] = split_in_transactions(spark, workdir)
     with open(out, "w") as f:
         json.dump(report, f)
     spark.stop()
+
+
+def _even_odd(t: Any, df: DataFrame) -> None:
+    t.append(df.filter("id % 2 = 0"), "connect-even")
+    t.append(df.filter("id % 2 = 1"), "connect-odd")
+
+
+def split_in_transactions(spark: SparkSession, workdir: str) -> dict[str, Any]:
+    """``connect-out`` into two shards, one transaction per micro-batch; then a replay."""
+
+    def load(df: DataFrame, batch_id: int) -> None:
+        with pyspark_persist.txn(df.sparkSession, writerId="split", txnVersion=batch_id) as t:
+            _even_odd(t, df)
+
+    query = (
+        spark.readStream.format("persist")
+        .load("connect-out")
+        .select("id")
+        .writeStream.foreachBatch(load)
+        .option("checkpointLocation", os.path.join(workdir, "txn-checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    if not query.awaitTermination(300):
+        raise SystemExit("the foreachBatch query did not finish its availableNow run in 300 s")
+    with pyspark_persist.txn(spark, writerId="split", txnVersion=0) as replay:
+        _even_odd(replay, spark.range(5))
+    history = {
+        name: [
+            [c["txn_id"], c["upper"]]
+            for c in (
+                r.asDict()
+                for r in spark.read.format("persist").option("history", "true").load(name).collect()
+            )
+            if c["txn_id"]
+        ]
+        for name in ("connect-even", "connect-odd")
+    }
+    ids = {
+        name: sorted(r.id for r in spark.read.format("persist").load(name).select("id").collect())
+        for name in ("connect-even", "connect-odd")
+    }
+    return {"history": history, "ids": ids, "replay_applied": not replay.already_committed}
 
 
 if __name__ == "__main__":
