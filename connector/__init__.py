@@ -41,14 +41,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pyspark_persist import sinks
+    from pyspark_persist.batch_tokens import exactly_once
     from pyspark_persist.source import PersistDataSource as DefaultSource
 
-__all__ = ["DefaultSource"]
+__all__ = ["DefaultSource", "exactly_once", "sinks"]
 
 
 def __getattr__(name: str) -> Any:
+    """The public names, each imported on first use (Spark imports this module on start-up)."""
     if name == "DefaultSource":
         from pyspark_persist.source import PersistDataSource
 
         return PersistDataSource
+    if name == "exactly_once":
+        from pyspark_persist.batch_tokens import exactly_once
+
+        return exactly_once
+    if name == "sinks":
+        import importlib
+
+        return importlib.import_module("pyspark_persist.sinks")
     raise AttributeError(f"module 'pyspark_persist' has no attribute {name!r}")
