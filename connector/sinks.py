@@ -107,8 +107,9 @@ class PostgresSink:
         """The column lists whose tables were checked (or created): the target's NOT NULL
         columns for each."""
 
-    def __call__(self, df: DataFrame, token: str) -> None:
-        """Apply micro-batch ``df`` unless ``token`` was applied; check before writing."""
+    def __call__(self, df: DataFrame, token: str) -> bool:
+        """Apply micro-batch ``df`` unless ``token`` was applied (then False); every check
+        before anything is written."""
         columns = data_columns(df.schema, self.keys, self.table)
         types = self._created_types(df.schema, columns) if self.create else None
         t0 = time.monotonic()
@@ -124,6 +125,7 @@ class PostgresSink:
             time.monotonic() - t0,
             token,
         )
+        return applied
 
     def close(self) -> None:
         """Close the connection (the next call opens another)."""
