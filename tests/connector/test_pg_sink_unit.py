@@ -119,9 +119,9 @@ def test_inserts_and_retractions_make_the_table_the_shards_multiset(
 def test_a_replayed_token_applies_nothing(postgres_url: str, table: str) -> None:
     """The second call with a token (Spark's replay) changes nothing, even with other rows."""
     sink = postgres(postgres_url, table)
-    sink(Batch([(1, "a", 1, 1)]), "t1")
-    sink(Batch([(1, "a", 1, 1)]), "t1")
-    sink(Batch([(1, "a", 2, -1), (9, "z", 2, 1)]), "t1")
+    assert sink(Batch([(1, "a", 1, 1)]), "t1") is True
+    assert sink(Batch([(1, "a", 1, 1)]), "t1") is False
+    assert sink(Batch([(1, "a", 2, -1), (9, "z", 2, 1)]), "t1") is False
     assert contents(postgres_url, table) == Counter({(1, "a"): 1})
     assert sink.applied("t1") and not sink.applied("t2")
     # Another sink object (a restarted driver) sees the token too.
