@@ -31,7 +31,7 @@ from pyspark_persist.pg_changes import (
     pg_type,
     retractions,
 )
-from pyspark_persist.state.errors import InvalidUsage, PersistError
+from pyspark_persist.state.errors import InvalidUsage, SinkDiverged
 
 if TYPE_CHECKING:
     import psycopg
@@ -47,11 +47,6 @@ micro-batch applied, shared by every sink of the database (``target`` names the 
 
 COPY_ROWS = 65_536
 """Rows encoded per ``COPY`` write: bounds the CSV text held at once."""
-
-
-class SinkDiverged(PersistError):
-    """The table lacks rows the micro-batch retracts: it no longer equals what the sink
-    wrote (someone else changed it, or its tokens were deleted); nothing was applied."""
 
 
 def postgres(

@@ -28,8 +28,8 @@ from pyspark.sql.types import (
 )
 
 from pyspark_persist.batch_tokens import SourceRange, batch_token, persist_range
-from pyspark_persist.sinks import PostgresSink, SinkDiverged, postgres
-from pyspark_persist.state.errors import InvalidUsage
+from pyspark_persist.sinks import PostgresSink, postgres
+from pyspark_persist.state.errors import InvalidUsage, SinkDiverged
 
 SCHEMA = StructType(
     [

@@ -3,9 +3,10 @@
 The example job (rate -> persist -> consumer -> ``sinks.postgres``) runs as users run it
 (``spark-submit``), with a fixed shard, table and checkpoints. The pipeline fixture kills
 it (its whole process group, SIGKILL: the driver JVM, the Python driver and its workers)
-:data:`KILLS` times at random moments once the delivery runs: during the rate source's
-writes, a delivery's ``COPY`` or its commit, between PostgreSQL's commit and Spark's
-commit log (a replay, skipped by its token), or between micro-batches. Each restart
+:data:`KILLS` times once the delivery runs: half at random moments (during the rate
+source's writes, a delivery's ``COPY`` or its commit, or between micro-batches), half the
+moment a new token shows in PostgreSQL, which mostly falls between PostgreSQL's commit and
+Spark's commit log (a replay, skipped by its token). Each restart
 uses the same checkpoints; the last run is left to finish, drains the delivery and
 compares the table with the shard's snapshot. The tests then check the table
 themselves: every value the rate source produced landed exactly once and every
@@ -125,8 +126,10 @@ def _tail(log: Path) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-60:])
 
 
-def _kill_while_running(p: Pipeline, rng: random.Random) -> None:
-    """Start the job, wait until it delivered once, SIGKILL it a random moment later."""
+def _kill_while_running(p: Pipeline, rng: random.Random, on_token: bool) -> None:
+    """Start the job, wait until it delivered once, SIGKILL it a random moment later, or
+    (``on_token``) the moment PostgreSQL holds one more token after that: a delivery just
+    committed, most likely before Spark's commit log records its micro-batch."""
     offset = p.log.stat().st_size if p.log.exists() else 0
     proc = _start(p, seconds=600)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -137,10 +140,21 @@ def _kill_while_running(p: Pipeline, rng: random.Random) -> None:
             time.sleep(0.05)
         delay = rng.uniform(0, MAX_DELAY_S)
         time.sleep(delay)
+        if on_token:
+            with psycopg.connect(p.url, autocommit=True) as conn:
+                seen = _tokens(conn, p.table)
+                while _tokens(conn, p.table) == seen:
+                    assert time.monotonic() < deadline, f"no delivery:\n{_tail(p.log)}"
+                    time.sleep(0.002)
         p.kills.append(delay)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+
+def _tokens(conn: psycopg.Connection, table: str) -> int:
+    row = conn.execute("SELECT count(*) FROM persist_tokens WHERE target = %s", (table,))
+    return int(row.fetchone()[0])  # type: ignore[index]
 
 
 def _finish(p: Pipeline) -> str:
@@ -204,8 +218,8 @@ def killed_pipeline(
         kills=[],
     )
     rng = random.Random(20261127)
-    for _ in range(KILLS):
-        _kill_while_running(p, rng)
+    for i in range(KILLS):
+        _kill_while_running(p, rng, on_token=i % 2 == 1)
     out = _finish(p)
     assert "equal: True" in out, out[-3000:]
     yield p
