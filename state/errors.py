@@ -139,7 +139,7 @@ class LeaseExpired(InvalidUsage):
     """A reader's lease expired (it stopped heartbeating); open a new reader."""
 
 
-class SinkDiverged(PersistError):
+class SinkDiverged(Determinate):
     """An external table a sink delivers a shard to (``sinks.postgres``) lacks rows a
     micro-batch retracts: it no longer equals what the sink wrote (another writer changed it,
     or its tokens were deleted). Nothing of the micro-batch was applied."""
