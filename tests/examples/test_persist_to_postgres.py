@@ -242,6 +242,10 @@ def test_sigkill_at_random_points_then_restart_delivers_exactly_once(
     # A kill on a fresh token lands before Spark's commit log more often than not (4 of 5
     # in the runs measured), so some micro-batch was replayed, and skipped by its token.
     replays = len(re.findall(r"\[deliver\] skipped \(applied before", log))
+    print(
+        f"{KILLS} kills, {applied} micro-batches applied, {replays} replays skipped, "
+        f"{n} rate values, {len(_table(p))} rows in the table"
+    )
     assert replays >= 1, "no kill fell between PostgreSQL's commit and Spark's commit log"
 
 
