@@ -39,9 +39,7 @@ import psycopg
 import pytest
 from jvm_fixtures import spark_submit
 
-from pyspark_persist.options import PersistOptions
 from pyspark_persist.state import PersistClient
-from pyspark_persist.state.errors import InvalidUsage
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.postgres]
 
@@ -55,15 +53,6 @@ MAX_DELAY_S = 3.0
 second) and the writer's micro-batches (2 a second)."""
 START_TIMEOUT_S = 180.0
 RUN_TIMEOUT_S = 300.0
-
-
-def consumer_option_supported() -> bool:
-    """Whether the source takes ``consumer`` (issue 36's named consumers, another branch)."""
-    try:
-        PersistOptions.parse({"path": "s", "consumer": "c"}, "stream_read")
-    except InvalidUsage:
-        return False
-    return True
 
 
 @dataclass
@@ -213,7 +202,7 @@ def killed_pipeline(
         table=name.replace("-", "_"),
         checkpoints=base / "checkpoints",
         log=base / "job.log",
-        consumer="to-pg" if consumer_option_supported() else "",
+        consumer="to-pg",
         java_options=spark_submit_java_options,
         url=postgres_url,
         kills=[],
@@ -251,11 +240,6 @@ def test_sigkill_at_random_points_then_restart_delivers_exactly_once(
     assert replays >= 1, "no kill fell between PostgreSQL's commit and Spark's commit log"
 
 
-@pytest.mark.skipif(
-    not consumer_option_supported(),
-    reason="waiting for the source's consumer option (issue 36, branch consumers): without "
-    "it a lost checkpoint restarts from the snapshot, whose ranges are new tokens",
-)
 def test_a_deleted_checkpoint_resumes_from_the_consumer_and_lands_nothing_twice(
     killed_pipeline: Pipeline,
 ) -> None:
