@@ -41,13 +41,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pyspark_persist import sinks
+    from pyspark_persist.batch_tokens import exactly_once
     from pyspark_persist.source import PersistDataSource as DefaultSource
     from pyspark_persist.spark_txn import txn
 
-__all__ = ["DefaultSource", "txn"]
+__all__ = ["DefaultSource", "exactly_once", "sinks", "txn"]
 
 
 def __getattr__(name: str) -> Any:
+    """The public names, each imported on first use (Spark imports this module on start-up)."""
     if name == "DefaultSource":
         from pyspark_persist.source import PersistDataSource
 
@@ -56,4 +59,12 @@ def __getattr__(name: str) -> Any:
         from pyspark_persist.spark_txn import txn
 
         return txn
+    if name == "exactly_once":
+        from pyspark_persist.batch_tokens import exactly_once
+
+        return exactly_once
+    if name == "sinks":
+        import importlib
+
+        return importlib.import_module("pyspark_persist.sinks")
     raise AttributeError(f"module 'pyspark_persist' has no attribute {name!r}")

@@ -187,3 +187,9 @@ class ConsumerInUse(InvalidUsage):
     Stop the query first, or pass ``force`` (``--force``): the query is then
     fenced and fails at its next micro-batch.
     """
+
+
+class SinkDiverged(Determinate):
+    """An external table a sink delivers a shard to (``sinks.postgres``) lacks rows a
+    micro-batch retracts: it no longer equals what the sink wrote (another writer changed it,
+    or its tokens were deleted). Nothing of the micro-batch was applied."""

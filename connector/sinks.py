@@ -1,0 +1,347 @@
+"""Ready-made writers for ``foreachBatch(exactly_once(...))``: a persist stream into another system.
+
+:func:`postgres` applies each micro-batch's updates ``(row, _diff)`` to a PostgreSQL
+table and records the micro-batch's token (:func:`pyspark_persist.exactly_once`) in a
+tokens table in the same transaction. A token already recorded means the micro-batch was
+applied (Spark ran it again after a crash, or a query resumed a named consumer without
+its checkpoint): nothing is applied and the transaction is rolled back. So every update
+of the shard lands once, however often the query is killed and restarted.
+
+What the rows do to the table (multiset or by key) is decided by the pure
+:mod:`pyspark_persist.pg_changes`; this module is the shell: the connection, the tables,
+``COPY`` and the transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pyspark_persist.pg_changes import (
+    COUNT,
+    csv_payload,
+    data_columns,
+    insertions,
+    keyed_changes,
+    pg_type,
+    retractions,
+)
+from pyspark_persist.state.errors import InvalidUsage, SinkDiverged
+
+if TYPE_CHECKING:
+    import psycopg
+    from psycopg import sql
+    from pyspark.sql import DataFrame
+    from pyspark.sql.types import StructType
+
+log = logging.getLogger(__name__)
+
+TOKENS_TABLE = "persist_tokens"
+"""The default table of applied tokens: ``(target, token, applied_at)``, one row per
+micro-batch applied, shared by every sink of the database (``target`` names the table)."""
+
+COPY_ROWS = 65_536
+"""Rows encoded per ``COPY`` write: bounds the CSV text held at once."""
+
+
+def postgres(
+    url: str,
+    table: str,
+    keys: Sequence[str] | None = None,
+    *,
+    create: bool = True,
+    tokens_table: str = TOKENS_TABLE,
+) -> PostgresSink:
+    """A ``fn(df, token)`` for :func:`pyspark_persist.exactly_once` that applies a persist
+    stream's micro-batches to PostgreSQL table ``table`` (``name`` or ``schema.name``).
+
+    Without ``keys`` the table holds the shard's rows as a multiset: a row with ``_diff``
+    n > 0 is inserted n times (``COPY``), one with n < 0 deletes n matching rows. With
+    ``keys`` it holds one row per key: each key the micro-batch changed is deleted and its
+    new row, if any, inserted (an upsert; a keyed shard's update arrives as its old row
+    retracted and the new one inserted). ``_time`` and ``_change_type`` are not stored.
+
+    ``create``: a missing table is created from the micro-batch's schema (primary key
+    ``keys``); with ``create=False`` it must exist (a clear error otherwise). Either way
+    it must have every column of the stream. ``url``: a libpq URL
+    (``postgresql://user@host:5432/db``). The micro-batch is collected to the driver as
+    Arrow (so it must fit ``spark.driver.maxResultSize``: bound it with
+    ``maxBytesPerTrigger``) and applied in one transaction.
+    """
+    return PostgresSink(url, table, tuple(keys) if keys else (), create, tokens_table)
+
+
+class PostgresSink:
+    """The writer :func:`postgres` returns; call it as ``fn(df, token)``.
+
+    Holds one connection, reused across micro-batches (opened again if it broke).
+    """
+
+    def __init__(
+        self, url: str, table: str, keys: tuple[str, ...], create: bool, tokens_table: str
+    ) -> None:
+        """See :func:`postgres`."""
+        for name, what in ((table, "table"), (tokens_table, "tokens_table")):
+            parts = name.split(".")
+            if not 1 <= len(parts) <= 2 or not all(parts):
+                raise InvalidUsage(
+                    f"sinks.postgres: {what} {name!r} is not a table name: give 'name' or "
+                    "'schema.name'"
+                )
+        self.url = url
+        self.table = table
+        self.keys = keys
+        self.create = create
+        self.tokens_table = tokens_table
+        self._conn: psycopg.Connection | None = None
+        self._ready: dict[tuple[str, ...], frozenset[str]] = {}
+        """The column lists whose tables were checked (or created): the target's NOT NULL
+        columns for each."""
+
+    def __call__(self, df: DataFrame, token: str) -> bool:
+        """Apply micro-batch ``df`` unless ``token`` was applied (then False); every check
+        before anything is written."""
+        columns = data_columns(df.schema, self.keys, self.table)
+        types = self._created_types(df.schema, columns) if self.create else None
+        t0 = time.monotonic()
+        updates = df.toArrow()
+        conn = self._connection()
+        not_null = self._prepare(conn, columns, types)
+        applied = self._apply(conn, updates, columns, not_null, token)
+        log.info(
+            "sinks.postgres(%s): %s %d updates in %.3f s (token %s)",
+            self.table,
+            "applied" if applied else "skipped (token already applied)",
+            updates.num_rows,
+            time.monotonic() - t0,
+            token,
+        )
+        return applied
+
+    def close(self) -> None:
+        """Close the connection (the next call opens another)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def applied(self, token: str) -> bool:
+        """Whether ``token``'s micro-batch was applied to the table."""
+        from psycopg import sql
+
+        conn = self._connection()
+        with conn.transaction():
+            row = conn.execute(
+                sql.SQL("SELECT 1 FROM {} WHERE target = %s AND token = %s").format(
+                    _name(self.tokens_table)
+                ),
+                (self.table, token),
+            ).fetchone()
+        return row is not None
+
+    def _created_types(self, schema: StructType, columns: list[str]) -> dict[str, str]:
+        """The PostgreSQL type of each column, should the table be created (checked first)."""
+        fields = {f.name: f.dataType for f in schema.fields}
+        return {c: pg_type(fields[c], c, self.table) for c in columns}
+
+    def _connection(self) -> psycopg.Connection:
+        import psycopg
+
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = psycopg.connect(self.url)
+        return self._conn
+
+    def _prepare(
+        self, conn: psycopg.Connection, columns: list[str], types: dict[str, str] | None
+    ) -> frozenset[str]:
+        """Create the tokens table and (``create``) the target if missing; check the target
+        has every column. Once per column list. Returns the target's NOT NULL columns."""
+        from psycopg import sql
+
+        key = tuple(columns)
+        if key in self._ready:
+            return self._ready[key]
+        target = _name(self.table)
+        with conn.transaction():
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (target text NOT NULL, token text NOT NULL, "
+                    "applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (target, token))"
+                ).format(_name(self.tokens_table))
+            )
+            exists = conn.execute("SELECT to_regclass(%s)", (target.as_string(conn),)).fetchone()
+            if exists is None or exists[0] is None:
+                if types is None:
+                    raise InvalidUsage(
+                        f"sinks.postgres: table {self.table!r} does not exist in {_safe(self.url)} "
+                        "(create=False): create it with the stream's columns "
+                        f"({', '.join(columns)}), or pass create=True"
+                    )
+                definitions = [
+                    sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(types[c])) for c in columns
+                ]
+                if self.keys:
+                    definitions.append(
+                        sql.SQL("PRIMARY KEY ({})").format(
+                            sql.SQL(", ").join(map(sql.Identifier, self.keys))
+                        )
+                    )
+                conn.execute(
+                    sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+                        target, sql.SQL(", ").join(definitions)
+                    )
+                )
+                log.info("sinks.postgres: created table %s (%s)", self.table, ", ".join(columns))
+            rows = conn.execute(
+                "SELECT attname, attnotnull FROM pg_attribute WHERE attrelid = %s::regclass "
+                "AND attnum > 0 AND NOT attisdropped",
+                (target.as_string(conn),),
+            ).fetchall()
+        have = {name: bool(not_null) for name, not_null in rows}
+        missing = [c for c in columns if c not in have]
+        if missing:
+            raise InvalidUsage(
+                f"sinks.postgres: table {self.table!r} has no column(s) {', '.join(missing)} "
+                f"of the stream (it has {', '.join(have)}): add them (ALTER TABLE ... ADD "
+                "COLUMN), or select only the table's columns"
+            )
+        self._ready[key] = frozenset(c for c in columns if have[c])
+        return self._ready[key]
+
+    def _apply(
+        self,
+        conn: psycopg.Connection,
+        updates: pa.Table,
+        columns: list[str],
+        not_null: frozenset[str],
+        token: str,
+    ) -> bool:
+        """One transaction: record ``token`` (nothing else if it was recorded), then the
+        updates. True when applied. Recording first also serializes two queries racing
+        with one token: the second waits on the first's row, then finds it."""
+        import psycopg
+        from psycopg import sql
+
+        with conn.transaction():
+            recorded = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (target, token) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+                ).format(_name(self.tokens_table)),
+                (self.table, token),
+            )
+            if recorded.rowcount == 0:
+                raise psycopg.Rollback()
+            if self.keys:
+                touched, rows = keyed_changes(updates, columns, self.keys, self.table)
+                self._delete_keys(conn, touched)
+                _copy(conn, _name(self.table), rows)
+            else:
+                _copy(conn, _name(self.table), insertions(updates, columns))
+                self._delete_rows(conn, retractions(updates, columns), columns, not_null)
+            return True
+        return False
+
+    def _delete_keys(self, conn: psycopg.Connection, touched: pa.Table) -> None:
+        """Delete every row whose key is in ``touched``."""
+        from psycopg import sql
+
+        if touched.num_rows == 0:
+            return
+        scratch = sql.Identifier("persist_sink_keys")
+        keys = sql.SQL(", ").join(map(sql.Identifier, self.keys))
+        conn.execute(
+            sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA").format(
+                scratch, keys, _name(self.table)
+            )
+        )
+        _copy(conn, scratch, touched)
+        match = sql.SQL(" AND ").join(
+            sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in self.keys
+        )
+        conn.execute(
+            sql.SQL("DELETE FROM {} t USING {} s WHERE {}").format(
+                _name(self.table), scratch, match
+            )
+        )
+
+    def _delete_rows(
+        self,
+        conn: psycopg.Connection,
+        doomed: pa.Table,
+        columns: list[str],
+        not_null: frozenset[str],
+    ) -> None:
+        """Delete :data:`COUNT` copies of each row of ``doomed``; SinkDiverged (rolled back)
+        when the table has fewer."""
+        from psycopg import sql
+
+        if doomed.num_rows == 0:
+            return
+        scratch = sql.Identifier("persist_sink_retractions")
+        conn.execute(
+            sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA").format(
+                scratch, sql.SQL(", ").join(map(sql.Identifier, columns)), _name(self.table)
+            )
+        )
+        conn.execute(
+            sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint").format(scratch, sql.Identifier(COUNT))
+        )
+        _copy(conn, scratch, doomed)
+        match = sql.SQL(" AND ").join(
+            sql.SQL("t.{c} {op} s.{c}").format(
+                c=sql.Identifier(c),
+                op=sql.SQL("=" if c in not_null else "IS NOT DISTINCT FROM"),
+            )
+            for c in columns
+        )
+        deleted = conn.execute(
+            sql.SQL(
+                "DELETE FROM {t} WHERE ctid = ANY (ARRAY("
+                "SELECT m.ctid FROM (SELECT t.ctid, s.{n} AS n, "
+                "row_number() OVER (PARTITION BY s.ctid ORDER BY t.ctid) AS k "
+                "FROM {t} t JOIN {s} s ON {match}) m WHERE m.k <= m.n))"
+            ).format(t=_name(self.table), s=scratch, n=sql.Identifier(COUNT), match=match)
+        ).rowcount
+        expected = int(pc.sum(doomed.column(COUNT)).as_py())
+        if deleted != expected:
+            raise SinkDiverged(
+                f"sinks.postgres: the micro-batch retracts {expected} rows but table "
+                f"{self.table!r} holds only {deleted} of them: it no longer equals the shard "
+                "(changed by another writer, or its tokens were deleted). Nothing of the "
+                "micro-batch was applied; rebuild the table from the shard (a new consumer "
+                "from the snapshot into an empty table)"
+            )
+
+
+def _copy(conn: psycopg.Connection, target: sql.Composable, rows: pa.Table) -> None:
+    """``COPY`` ``rows`` into ``target`` (their columns, by name), as CSV in slices."""
+    from psycopg import sql
+
+    if rows.num_rows == 0:
+        return
+    statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+        target, sql.SQL(", ").join(map(sql.Identifier, rows.column_names))
+    )
+    with conn.cursor().copy(statement) as copy:
+        for start in range(0, rows.num_rows, COPY_ROWS):
+            copy.write(csv_payload(rows.slice(start, COPY_ROWS)))
+
+
+def _name(table: str) -> sql.Identifier:
+    """``name`` or ``schema.name`` as a quoted identifier."""
+    from psycopg import sql
+
+    return sql.Identifier(*table.split("."))
+
+
+def _safe(url: str) -> str:
+    """``url`` without a password, for messages."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    user, host = rest.rsplit("@", 1)
+    return f"{scheme}://{user.split(':', 1)[0]}@{host}"
