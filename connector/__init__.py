@@ -25,7 +25,16 @@ and friends) and ships the parts, split by size, as input partitions; each
 task fetches its parts from Blob and streams them as Arrow
 (``batch_reader.py``, ``stream_reader.py``). A streaming offset is a time
 (an upper, computed by the pure functions of ``offsets.py``), so a restarted
-query re-reads exactly the same updates.
+query re-reads exactly the same updates. A stream with ``.option("consumer",
+NAME)`` also keeps its position in Consensus (``consumers``), so a query that
+lost its checkpoint resumes there and replays the same ranges.
+
+Three helpers for ``foreachBatch`` go beyond one shard and one sink:
+``exactly_once(fn)`` tells ``fn`` a token naming the micro-batch's range of the
+shard, which ``sinks.postgres`` stores with its output in one PostgreSQL
+transaction (``batch_tokens.py``, ``sinks.py``); ``txn(spark, ...)`` stages
+DataFrames into several shards on the executors and commits them all at one
+time with one compare-and-set (``spark_txn.py``).
 
 ``DefaultSource`` (here) is the data source named ``persist``. Spark finds
 it by importing every top-level ``pyspark_*`` module, so this module stays
