@@ -21,7 +21,7 @@ from pyspark_persist.options import PersistOptions
 from pyspark_persist.source import client_for
 from pyspark_persist.state import Commit
 
-_STRINGS = frozenset({"operation", "writer_id", "columns_added"})
+_STRINGS = frozenset({"operation", "writer_id", "columns_added", "txn_id"})
 HISTORY_SCHEMA = StructType(
     [
         StructField(f.name, StringType() if f.name in _STRINGS else LongType(), True)

@@ -27,7 +27,9 @@ previous offset and the limits, with no Spark, no store, no clock:
 - :func:`micro_batch`: what ``partitions(start, end)`` reads, a whole snapshot, a cut of
   one or a listen range, in times;
 - :func:`since_after` and :func:`behind_end`: the since a committed end lets the reader
-  hold, and what is left to read after an end.
+  hold, and what is left to read after an end;
+- :func:`offset_json`, :func:`consumed_upper` and :func:`replayed_end`: what a named
+  consumer (``consumer`` option) records of an offset, and the micro-batch it replays.
 
 The source's :class:`~pyspark_persist.stream_reader.LeaseHolder` is the shell around them:
 it reads the state, leases it, plans the parts with
@@ -43,6 +45,7 @@ DataLoss for the one and logs the other.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,6 +363,31 @@ def since_after(end: Offset) -> Time | None:
     last time emitted; None while nothing of the changelog was emitted up to a time (a
     snapshot offset, or the start of an empty shard)."""
     return end.upper - 1 if end.phase == LISTEN and end.upper > 0 else None
+
+
+def offset_json(offset: Offset) -> str:
+    """The canonical JSON of an offset: what a named consumer records as its position and its
+    planned micro-batches, so one offset is always one string."""
+    return json.dumps(offset.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def consumed_upper(end: Offset) -> Time:
+    """The consumer's ``upper`` once Spark committed every micro-batch up to ``end``: every
+    change at a time below it was emitted (0 while the snapshot is under way)."""
+    return end.upper if end.phase == LISTEN else 0
+
+
+def replayed_end(planned: tuple[tuple[str, str], ...], start: Offset, shard: str) -> Offset | None:
+    """The end a consumer planned for the micro-batch from ``start`` (None: none planned).
+
+    A query resuming without its checkpoint from the consumer's position asks for the same
+    starts as the run that planned them, and gets the same ends: the same micro-batches.
+    """
+    key = offset_json(start)
+    for s, e in planned:
+        if s == key:
+            return Offset.from_dict(json.loads(e), shard)
+    return None
 
 
 def behind_end(state: ShardState, end: Offset | None) -> Behind:

@@ -30,6 +30,7 @@ from pyspark_persist.state import (
     default_consensus_uri,
     parse_retention,
     parse_time,
+    validate_consumer_name,
     validate_shard_name,
 )
 from pyspark_persist.state.errors import InvalidUri, InvalidUsage
@@ -73,6 +74,8 @@ FILTER_PUSHDOWN = "filterpushdown"
 COLUMNS = "columns"
 QUERY_NAME = "queryname"
 PATHS = "paths"
+CONSUMER = "consumer"
+CONSUMER_EXPIRY = "consumerexpiry"
 
 DEFAULT_SPLIT_SIZE = 128 << 20
 """Spark's own ``spark.sql.files.maxPartitionBytes``. At 64 MiB a 1 GiB read made 16 tasks,
@@ -223,6 +226,30 @@ OPTIONS: tuple[OptionName, ...] = (
     ),
     OptionName("startingVersion", STARTING_SEQNO, _READS, peers="Delta"),
     OptionName(
+        "consumer",
+        CONSUMER,
+        _STREAM_READ,
+        doc=OptionDoc(
+            "none",
+            "a named, durable consumer of the shard, kept in Consensus: the query holds it "
+            "(a newer query with the name fences this one), it holds the data it has not "
+            "consumed from retention and GC, its position moves when Spark commits a "
+            "micro-batch, and a query without a checkpoint resumes from it unless a starting "
+            "option is given (see [Named consumers](spark.md#named-consumers)); letters, "
+            "digits, `- _ .`, at most 128, e.g. `to-pg`",
+        ),
+    ),
+    OptionName(
+        "consumerExpiry",
+        CONSUMER_EXPIRY,
+        _STREAM_READ,
+        doc=OptionDoc(
+            "never",
+            "with `consumer`: once it is idle (no query acquires it, no micro-batch commits) "
+            "for this long, the consumer stops holding data, e.g. `7d`, `12h` (`0`: never)",
+        ),
+    ),
+    OptionName(
         "maxBytesPerTrigger",
         MAX_BYTES,
         _STREAM_READ,
@@ -251,7 +278,8 @@ OPTIONS: tuple[OptionName, ...] = (
             "append one JSON line per micro-batch to this local file: its end offset, "
             "`latest_offset_ms` (`waited_ms` of it spent waiting for a PubSub commit notice), "
             "`partitions_ms`, tasks, parts, rows and bytes planned, and `behind` (see "
-            "[Lag](spark.md#lag)), e.g. `/tmp/q1-source.jsonl`",
+            "[Lag](spark.md#lag)); with `consumer`, its name and `consumer_behind`, e.g. "
+            "`/tmp/q1-source.jsonl`",
         ),
     ),
     OptionName(
@@ -623,8 +651,20 @@ class PersistOptions:
     """A boolean column of a keyed write whose true rows delete their key (not stored)."""
     sequence_column: str | None = None
     """The column whose highest value of a key wins, within and across writes."""
+    consumer: str | None = None
+    """The named consumer a stream reads as (``consumer``); None: none."""
+    consumer_expiry_ms: int = 0
+    """How long the consumer may stay idle before it stops holding data (0: forever)."""
     said: Mapping[str, str] = field(default_factory=dict)
     """The option name the user gave each setting by (an alias, or persist's own name)."""
+
+    @property
+    def starting_given(self) -> bool:
+        """Whether the user gave a starting option: it wins over a consumer's position."""
+        return any(
+            k in self.said
+            for k in (STARTING_POSITION, STARTING_AS_OF, STARTING_TIME, STARTING_SEQNO)
+        )
 
     def spelled(self, setting: str) -> str:
         """How to name ``setting`` in a message: as the user named it."""
@@ -728,6 +768,8 @@ class PersistOptions:
             upsert_keys=_column_list(opts, said, UPSERT_KEYS, "region,id"),
             delete_column=opts.get(DELETE_COLUMN) or None,
             sequence_column=opts.get(SEQUENCE_COLUMN) or None,
+            consumer=_consumer(opts, said),
+            consumer_expiry_ms=_consumer_expiry(opts, said),
             said={k: v for k, v in said.items() if k in opts},
         )
 
@@ -759,6 +801,33 @@ def _retention(opts: Mapping[str, str], said: Mapping[str, str]) -> int | None:
         return None
     try:
         return parse_retention(value, name=f"option {said[RETENTION]}")
+    except InvalidUsage as e:
+        raise InvalidUsage(f"persist: {e}") from None
+
+
+def _consumer(opts: Mapping[str, str], said: Mapping[str, str]) -> str | None:
+    """The ``consumer`` option, checked as a key of the shard's state, or None if not given."""
+    name = opts.get(CONSUMER)
+    if name is None:
+        return None
+    try:
+        return validate_consumer_name(name)
+    except InvalidUsage as e:
+        raise InvalidUsage(f"persist: option {said[CONSUMER]}: {e}") from None
+
+
+def _consumer_expiry(opts: Mapping[str, str], said: Mapping[str, str]) -> int:
+    """``consumerExpiry`` in milliseconds (0: never); only with ``consumer``."""
+    value = opts.get(CONSUMER_EXPIRY)
+    if value is None or value == "":
+        return 0
+    if opts.get(CONSUMER) is None:
+        raise InvalidUsage(
+            f"persist: option {said[CONSUMER_EXPIRY]} needs a consumer to expire: add "
+            '.option("consumer", "<name>"), or drop it'
+        )
+    try:
+        return parse_retention(value, name=f"option {said[CONSUMER_EXPIRY]}")
     except InvalidUsage as e:
         raise InvalidUsage(f"persist: {e}") from None
 

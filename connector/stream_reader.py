@@ -16,15 +16,26 @@ new since to state is a compare-and-set that Spark would wait for before the
 next micro-batch; a background :class:`HoldUpdater` does it instead. ``read()``
 is stateless: the
 :class:`PersistInputPartition` carries the Blob URI and the leased parts.
+
+With the ``consumer`` option the lease holder also holds a named consumer
+(:class:`ConsumerLink`, over :mod:`pyspark_persist.state.consumers`): it
+acquires it when the query starts, records each micro-batch as planned before
+its tasks run, replays a planned one when asked for the same start (a query
+resuming without its checkpoint, from the consumer's position), and advances
+it in ``commit`` only, after Spark committed the micro-batch.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -58,11 +69,14 @@ from pyspark_persist.state import (
     DIFF,
     NO_LIMITS,
     TIME,
+    ConsumerState,
     LeasedPart,
     Machine,
     ReadHandle,
     ReadLimits,
+    Shard,
     ShardState,
+    behind,
     conform_columns,
     decode_schema,
     iter_parts,
@@ -70,7 +84,13 @@ from pyspark_persist.state import (
     repeat_by_diff,
     state_at,
 )
-from pyspark_persist.state.errors import DataLoss, InvalidUsage, SchemaChanged
+from pyspark_persist.state.errors import (
+    ConsumerFenced,
+    DataLoss,
+    InvalidUsage,
+    SchemaChanged,
+    UnknownConsumer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +202,85 @@ class HoldUpdater:
                 self._cond.notify_all()
 
 
+class ConsumerLink:
+    """A query's hold on a named consumer: the driver-side I/O of ``state/consumers.py``.
+
+    A micro-batch must be recorded as planned before its tasks run (so a query resuming
+    without its checkpoint replays it, not another range), and its position advanced
+    once Spark commits it. Spark plans micro-batch N (``latestOffset``), then commits
+    N - 1 (``commit``), then runs N (``partitions``): so ``commit`` records both in one
+    compare-and-set, and ``partitions`` writes the plan only when no commit came
+    between (a query's first micro-batch, one Spark re-runs from its offset log).
+    ``latestOffset`` writes nothing; whether the query was fenced is read from the
+    state it reads anyway.
+    """
+
+    def __init__(self, shard: Shard, name: str, expiry_ms: int, reader_id: str) -> None:
+        """``reader_id``: the query's leased reader, whose lease bounds its hold."""
+        self._shard = shard
+        self.name = name
+        started = datetime.now(UTC).isoformat(timespec="seconds")
+        self.holder = (
+            f"query {uuid.uuid4().hex[:12]} pid {os.getpid()} on {socket.gethostname()} "
+            f"since {started}"
+        )
+        acquired = shard.acquire_consumer(name, self.holder, expiry_ms, reader_id=reader_id)
+        self.epoch = acquired.epoch
+        self.position = acquired.position
+        self._planned = acquired.planned
+        self._next: tuple[str, str] | None = None
+        """The micro-batch ``latestOffset`` planned last, not yet recorded."""
+
+    def current(self, state: ShardState) -> ConsumerState:
+        """The consumer in ``state``, if this query still holds it; else ConsumerFenced naming
+        both holders (UnknownConsumer once it was dropped)."""
+        consumer = state.consumers.get(self.name)
+        if consumer is None:
+            raise UnknownConsumer(state.shard_id, self.name, tuple(sorted(state.consumers)))
+        if consumer.epoch != self.epoch:
+            raise ConsumerFenced(state.shard_id, self.name, consumer.holder, self.holder)
+        self._planned = consumer.planned
+        return consumer
+
+    def planned(self, start: Offset, end: Offset) -> None:
+        """``latestOffset`` planned the micro-batch ``(start, end]``: record it with the next
+        commit (or at ``partitions``, whichever comes first)."""
+        batch = (offsets.offset_json(start), offsets.offset_json(end))
+        self._next = None if batch in self._planned else batch
+
+    def ensure_planned(self, start: Offset, end: Offset) -> None:
+        """Before the micro-batch ``(start, end]`` runs: recorded as planned, now if not yet."""
+        batch = (offsets.offset_json(start), offsets.offset_json(end))
+        if batch in self._planned:
+            return
+        recorded = self._shard.plan_consumer_batch(
+            self.name, self.epoch, *batch, holder=self.holder
+        )
+        self._planned, self._next = recorded.planned, None
+
+    def advance(self, end: Offset) -> None:
+        """Spark committed every micro-batch up to ``end``: move the position (and hold) there,
+        recording the micro-batch planned after it in the same step."""
+        self.position = offsets.offset_json(end)
+        plan = self._next if self._next is not None and self._next[0] == self.position else None
+        advanced = self._shard.advance_consumer(
+            self.name,
+            self.epoch,
+            position=self.position,
+            upper=offsets.consumed_upper(end),
+            since=offsets.since_after(end) or 0,
+            holder=self.holder,
+            plan=plan,
+        )
+        self._planned = advanced.planned
+        if plan is not None:
+            self._next = None
+
+    def release(self) -> None:
+        """The query stops: let go of the consumer (a no-op once fenced)."""
+        self._shard.release_consumer(self.name, self.epoch)
+
+
 class LeaseHolder:
     """The driver-side half of the source: the I/O around :mod:`pyspark_persist.offsets`.
 
@@ -223,6 +322,11 @@ class LeaseHolder:
         self._polled_ms: int | None = None
         """The client's clock when :meth:`current_state` last read Consensus."""
         self.available_now_upper: int | None = None
+        self.consumer: ConsumerLink | None = None
+        if opts.consumer is not None:
+            self.consumer = ConsumerLink(
+                self._shard, opts.consumer, opts.consumer_expiry_ms, self._reader.reader_id
+            )
 
     @property
     def machine(self) -> Machine:
@@ -255,7 +359,19 @@ class LeaseHolder:
         return state
 
     def initial_offset(self) -> Offset:
-        """Where a new query starts: before the snapshot, or at the upper for 'latest'."""
+        """Where a query with no checkpoint starts: at its consumer's position when it has
+        one and no starting option was given; else before the snapshot, at the upper for
+        'latest', or where the starting option says."""
+        if self.consumer is not None and self.consumer.position and not self._opts.starting_given:
+            resumed = Offset.from_dict(json.loads(self.consumer.position), self._opts.shard)
+            offsets.check_incarnation(self.machine.incarnation, resumed)
+            log.info(
+                "shard %s: resuming from consumer %r's position %s",
+                self._opts.shard,
+                self.consumer.name,
+                self.consumer.position,
+            )
+            return resumed
         state, starting = self._starting(self.current_state())
         return self._settle(
             offsets.initial_offset(state, starting, self._opts.fail_on_data_loss)
@@ -354,7 +470,15 @@ class LeaseHolder:
         if self.available_now_upper is None and offsets.caught_up(state, start):
             state = self._wait_for_commit(state, start.upper)
         self.check_schema(state)
-        return offsets.next_offset(state, start, _read_limits(limit), self.available_now_upper)
+        if self.consumer is None:
+            return offsets.next_offset(state, start, _read_limits(limit), self.available_now_upper)
+        planned = self.consumer.current(state).planned
+        end = offsets.replayed_end(planned, start, self._opts.shard)
+        if end is None:
+            end = offsets.next_offset(state, start, _read_limits(limit), self.available_now_upper)
+            if end != start:
+                self.consumer.planned(start, end)
+        return end
 
     def report_latest(self) -> dict[str, Any]:
         """The newest offset with ``behind``: what is left to read once the micro-batch being
@@ -384,6 +508,8 @@ class LeaseHolder:
     def _plan(self, start: Offset, end: Offset) -> list[PersistInputPartition]:
         self.holds.check()
         offsets.check_incarnation(self.machine.incarnation, start, end)
+        if self.consumer is not None and start != end:
+            self.consumer.ensure_planned(start, end)
         if offsets.reads_nothing(start, end):
             return []
         state = self.machine.state()
@@ -430,7 +556,8 @@ class LeaseHolder:
             self._leased.setdefault(end_upper, []).append(seqno)
 
     def commit(self, end: Offset) -> None:
-        """Spark finished every micro-batch up to ``end``: return their leases, move since on.
+        """Spark finished every micro-batch up to ``end``: return their leases, move since on,
+        and advance the consumer there (the only place it moves).
 
         The leases go at once; state learns of it through ``holds`` (see HoldUpdater).
         """
@@ -441,6 +568,8 @@ class LeaseHolder:
         for s in seqnos:
             self._reader.release(s)
         self.holds.request(offsets.since_after(end))
+        if self.consumer is not None:
+            self.consumer.advance(end)
 
     def _record(self, end: Offset, figures: dict[str, Any]) -> None:
         """Log a planned micro-batch's figures and the lag left after it; append them to
@@ -454,14 +583,24 @@ class LeaseHolder:
             "upper": state.upper,
             "behind": offsets.behind_end(state, end).to_dict(),
         }
+        if self.consumer is not None and self.consumer.name in state.consumers:
+            # What the consumer has left to read from its committed position.
+            line["consumer"] = self.consumer.name
+            committed = state.consumers[self.consumer.name].upper
+            line["consumer_behind"] = behind(state, committed).to_dict()
         log.info("persist source micro-batch %s", json.dumps(line, sort_keys=True))
         if self._opts.metrics_file:
             with self._lock, open(self._opts.metrics_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
 
     def close(self) -> None:
-        """Expire the reader now (Spark stopped the query)."""
+        """Release the consumer and expire the reader now (Spark stopped the query)."""
         self.holds.close()
+        if self.consumer is not None:
+            try:
+                self.consumer.release()
+            except Exception as e:  # noqa: BLE001 - stopping anyway; an acquire takes it over
+                log.warning("shard %s: releasing consumer failed: %s", self._opts.shard, e)
         self._reader.close()
 
     def _settle(self, decided: _Decided | Gap) -> _Decided:

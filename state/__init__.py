@@ -104,6 +104,7 @@ from .codec import ARROW, ARROW_ROWS, PARQUET
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
 from .config import PersistConfig
 from .consensus import open_consensus
+from .consumers import validate_consumer_name
 from .history import Commit, Replay, state_at
 from .keyed import latest_rows
 from .logs import configure_from_environment
@@ -124,8 +125,9 @@ from .schema import (
     select_columns,
 )
 from .staging import BatchBuilder, StagedBatch
-from .state import PartRef, ShardState, Time
+from .state import ConsumerState, PartRef, ShardState, Time
 from .times import check_readable, describe, parse_time
+from .txn_commit import Txn
 from .updates import consolidate, repeat_by_diff
 from .write import WriteHandle, abandon_staged
 
@@ -152,6 +154,7 @@ __all__ = [
     "Blob",
     "Commit",
     "Committed",
+    "ConsumerState",
     "LeasedPart",
     "Listen",
     "ListenEvent",
@@ -168,6 +171,7 @@ __all__ = [
     "Snapshot",
     "StagedBatch",
     "Time",
+    "Txn",
     "UpperMismatch",
     "WriteHandle",
     "abandon_staged",
@@ -196,6 +200,7 @@ __all__ = [
     "repeat_by_diff",
     "select_columns",
     "state_at",
+    "validate_consumer_name",
     "validate_shard_name",
 ]
 

@@ -18,6 +18,7 @@ from .cache import PROCESS_CACHE, StateCache
 from .commands import CriticalSince, create_shard
 from .config import PersistConfig
 from .consensus import CaSCommitted, Consensus, VersionedData, open_consensus
+from .consumer_client import ConsumerMethods
 from .diff import TOMBSTONE, encode
 from .errors import (
     Indeterminate,
@@ -36,6 +37,7 @@ from .retention import parse_retention, set_retention
 from .schema import decode_schema, encode_schema, schema_mismatch_message, validate_schema
 from .state import ShardState, Time
 from .tracing import traced
+from .txn_commit import Txn
 from .write import WriteHandle
 
 HOME_ENV = "PERSIST_HOME"
@@ -300,6 +302,12 @@ class PersistClient:
         state = machine.fetch_latest()
         return state, state.incarnation == incarnation
 
+    def txn(self, writer_id: str | None = None, token: int | None = None) -> Txn:
+        """A transaction across shards of this client: every shard it writes changes at one
+        time, or none does (see :mod:`.txn_commit`). Use it as a context manager (a clean
+        exit commits; an exception commits nothing) or call :meth:`Txn.commit`."""
+        return Txn(self, writer_id, token)
+
     def list_shards(self) -> list[str]:
         """The names of every shard in this Consensus (a dropped shard's tombstone is none)."""
         names = []
@@ -333,8 +341,9 @@ class PersistClient:
         self.close()
 
 
-class Shard:
-    """A handle to one shard: its schema, frontiers, and factories for writers and readers."""
+class Shard(ConsumerMethods):
+    """A handle to one shard: its schema, frontiers, factories for writers and readers, and its
+    named consumers (the methods of :class:`~.consumer_client.ConsumerMethods`)."""
 
     def __init__(self, client: PersistClient, machine: Machine) -> None:
         self.client = client
@@ -415,7 +424,11 @@ class Shard:
 
     @traced("Shard.compact", "name")
     def compact(self) -> list[CompactionReport]:
-        """Run compaction now until the policy asks for nothing more."""
+        """Run compaction now until the policy asks for nothing more.
+
+        Unlike background compaction, it folds everything since has passed at once when
+        any of it holds retractions (see :func:`~.retention.expired_run`): an upserted
+        shard left idle after it reads like its live rows written once."""
         return self.client.maintenance.compact_now(self.machine)
 
     @property

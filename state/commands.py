@@ -21,12 +21,14 @@ from .schema import decode_schema, encode_schema, evolve_schema
 from .state import (
     EMPTY_STATE,
     Batch,
+    ConsumerState,
     CriticalReaderState,
     LeasedReaderState,
     PartRef,
     ShardState,
     StateDiff,
     Time,
+    TxnMark,
     WriterState,
 )
 
@@ -116,6 +118,7 @@ def compare_and_append(
     replace: bool = False,
     schema: bytes | None = None,
     tombstones: tuple[PartRef, ...] = (),
+    txn: TxnMark | None = None,
 ) -> Outcome[AppendResult]:
     """Append one batch ``[expected_upper, new_upper)`` made of ``parts``, exactly once.
 
@@ -133,6 +136,8 @@ def compare_and_append(
     write without it. It is merged with the schema in *this* state, so a
     concurrent writer's additions stay; SchemaMismatch when the two conflict.
     ``tombstones``: an upsert's deleted keys and sequences (``Batch.tombstones``).
+    ``txn``: the transaction this batch is one shard's share of, recorded with
+    the writer's token (see :mod:`.txn`).
     """
     writer = state.writers.get(writer_id)
     if writer is not None and token <= writer.last_token:
@@ -168,7 +173,7 @@ def compare_and_append(
         batch = Batch(expected_upper, new_upper, state.since, parts, retractions, tombstones)
     b.put_batch(batch)
     b.set(upper=new_upper)
-    b.put_writer(writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms))
+    b.put_writer(writer_id, WriterState(last_token=token, last_heartbeat_ms=now_ms, txn=txn))
     diff = b.build()
     return Apply(diff, Committed(upper=new_upper, seqno=diff.to_seqno))
 
@@ -203,16 +208,27 @@ def add_rollup(state: ShardState, *, seqno: int, key: str) -> Outcome[bool]:
     return Apply(diff, True)
 
 
-def _since(
+def meet_since(
     state: ShardState,
     leased: Mapping[str, LeasedReaderState] | None = None,
     critical: Mapping[str, CriticalReaderState] | None = None,
+    consumers: Mapping[str, ConsumerState] | None = None,
 ) -> Time:
-    """The shard's since after a reader change: the meet of every hold, never going back."""
+    """The shard's since after a reader change: the meet of every hold, never going back.
+
+    Every hold counts: leased readers, critical readers and the named consumers that have
+    not expired (an expired consumer stops holding data, see :mod:`.consumers`).
+    """
     lr = state.leased_readers if leased is None else leased
     cr = state.critical_readers if critical is None else critical
     holds = [r.since for r in lr.values()] + [r.since for r in cr.values()]
+    holds += consumer_holds(state.consumers if consumers is None else consumers)
     return max(state.since, min(holds)) if holds else state.since
+
+
+def consumer_holds(consumers: Mapping[str, ConsumerState]) -> list[Time]:
+    """The since holds of the consumers that still hold data (every one not expired)."""
+    return [c.since for c in consumers.values() if not c.expired]
 
 
 def register_leased_reader(
@@ -255,7 +271,7 @@ def heartbeat_leased_reader(
     b = DiffBuilder(state).put_leased_reader(reader_id, updated)
     leased = dict(state.leased_readers)
     leased[reader_id] = updated
-    b.set(since=_since(state, leased=leased))
+    b.set(since=meet_since(state, leased=leased))
     return Apply(b.build(), updated)
 
 
@@ -272,7 +288,7 @@ def expire_leased_readers(
     for r in gone:
         b.delete_leased_reader(r)
     leased = {r: s for r, s in state.leased_readers.items() if r not in gone}
-    b.set(since=_since(state, leased=leased))
+    b.set(since=meet_since(state, leased=leased))
     return Apply(b.build(), tuple(sorted(gone)))
 
 
@@ -319,7 +335,7 @@ def compare_and_downgrade_since(
     critical = dict(state.critical_readers)
     critical[reader_id] = updated
     b = DiffBuilder(state).put_critical_reader(reader_id, updated)
-    b.set(since=_since(state, critical=critical))
+    b.set(since=meet_since(state, critical=critical))
     return Apply(b.build(), CriticalSince(ok=True, current=updated))
 
 

@@ -30,6 +30,7 @@ from .state import (
     MAP_CODECS,
     SCALARS,
     Batch,
+    ConsumerState,
     CriticalReaderState,
     LeasedReaderState,
     ShardState,
@@ -122,6 +123,14 @@ class DiffBuilder:
         """Remove a critical reader (its since hold goes with it)."""
         return self._delete("critical_readers", reader_id)
 
+    def put_consumer(self, name: str, consumer: ConsumerState) -> DiffBuilder:
+        """Create or update a named consumer."""
+        return self._put("consumers", name, consumer)
+
+    def delete_consumer(self, name: str) -> DiffBuilder:
+        """Remove a named consumer (its since hold goes with it)."""
+        return self._delete("consumers", name)
+
     def put_rollup(self, seqno: int, key: str) -> DiffBuilder:
         """Record the rollup of SeqNo ``seqno`` stored under Blob ``key``."""
         return self._put("rollups", seqno, key)
@@ -163,8 +172,12 @@ class DiffBuilder:
 
 def full_diff(state: ShardState) -> StateDiff:
     """The diff from the empty state to ``state``: what a rollup stores."""
+    # A shard without consumers leaves the map out, as rollups written before consumers did,
+    # so releases that predate them still read its rollups.
     maps: dict[str, tuple[Mapping[Any, Any], frozenset[Any]]] = {
-        name: (dict(getattr(state, name)), frozenset()) for name in (*MAP_CODECS, "rollups")
+        name: (dict(getattr(state, name)), frozenset())
+        for name in (*MAP_CODECS, "rollups")
+        if name != "consumers" or state.consumers
     }
     return StateDiff(
         shard_id=state.shard_id,

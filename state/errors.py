@@ -139,6 +139,56 @@ class LeaseExpired(InvalidUsage):
     """A reader's lease expired (it stopped heartbeating); open a new reader."""
 
 
+class ConsumerFenced(InvalidUsage):
+    """Another holder acquired the named consumer (or it was reset) after this one did.
+
+    Two live queries with one consumer name: the newer one holds it, and the
+    older one's next micro-batch stops here, before it plans or commits
+    anything, so never do both move the consumer's position. Stop one of the
+    queries, or give each its own consumer name.
+    """
+
+    def __init__(self, shard: str, consumer: str, holder_now: str, holder_self: str) -> None:
+        now = holder_now or "nobody (it was reset or released)"
+        super().__init__(
+            f"consumer {consumer!r} of shard {shard!r} is fenced: it is now held by {now}, "
+            f"not by this holder, {holder_self}; nothing was planned or committed by this one. "
+            "Two queries must not share one consumer name: stop one of them, or give each "
+            "its own .option('consumer', ...)"
+        )
+        self.shard, self.consumer = shard, consumer
+        self.holder_now, self.holder_self = holder_now, holder_self
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str, str]]:
+        """Pickle by the constructor's arguments (Spark ships errors between processes)."""
+        return (type(self), (self.shard, self.consumer, self.holder_now, self.holder_self))
+
+
+class UnknownConsumer(InvalidUsage):
+    """The shard has no consumer of that name (never created, or dropped); nothing changed."""
+
+    def __init__(self, shard: str, consumer: str, known: tuple[str, ...]) -> None:
+        names = ", ".join(repr(k) for k in known) if known else "none"
+        super().__init__(
+            f"shard {shard!r} has no consumer {consumer!r} (its consumers: {names}); check the "
+            "name (persist consumers list SHARD), or start a query with "
+            f".option('consumer', {consumer!r}) to create it"
+        )
+        self.shard, self.consumer, self.known = shard, consumer, known
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, tuple[str, ...]]]:
+        """Pickle by the constructor's arguments."""
+        return (type(self), (self.shard, self.consumer, self.known))
+
+
+class ConsumerInUse(InvalidUsage):
+    """A query holds the named consumer, so it was not reset or dropped; nothing changed.
+
+    Stop the query first, or pass ``force`` (``--force``): the query is then
+    fenced and fails at its next micro-batch.
+    """
+
+
 class SinkDiverged(Determinate):
     """An external table a sink delivers a shard to (``sinks.postgres``) lacks rows a
     micro-batch retracts: it no longer equals what the sink wrote (another writer changed it,

@@ -141,6 +141,9 @@ class Commit:
     rows_after: int = 0
     columns_added: str | None = None
     """The columns a merge-schema write added, comma-separated (None: the schema stayed)."""
+    txn_id: str | None = None
+    """The transaction across shards this commit was one shard's share of (None: a plain
+    write); the same id, at the same time, is on a commit of every shard it wrote."""
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (for JSON, a DataFrame row)."""
@@ -170,9 +173,10 @@ def commit_of(step: Step) -> Commit | None:
     new: list[Batch] = [b for b in puts.values() if before.batches.get(b.key) != b]
     gone = [before.batches[k] for k in dels if k in before.batches]
     writers = diff.maps.get("writers", ({}, frozenset()))[0]
-    writer_id, committed = None, None
+    writer_id, committed, txn_id = None, None, None
     for wid, w in writers.items():
         writer_id, committed = str(wid), w.last_heartbeat_ms
+        txn_id = None if w.txn is None else w.txn.txn_id
     if after.upper == before.upper:
         lower = min(b.lower for b in gone) if gone else min(b.lower for b in new)
         upper = max(b.upper for b in gone) if gone else max(b.upper for b in new)
@@ -211,6 +215,7 @@ def commit_of(step: Step) -> Commit | None:
         rows_mixed=sums[0][0],
         bytes_mixed=sums[0][1],
         columns_added=columns,
+        txn_id=txn_id,
     )
 
 

@@ -21,8 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .columns import bounds
 from .errors import InvalidUpdates, InvalidUsage, KeysMismatch
 from .schema import DIFF, DIFF_TYPE, RESERVED, TIME_TYPE, data_schema
+from .updates import consolidate
 
 SUPPORTED = "integers, strings, binary, booleans, dates and timestamps"
 """The key column types, as errors name them: types whose values compare exactly (no floats,
@@ -206,6 +208,35 @@ def live_rows(updates: pa.Table, row_columns: list[str]) -> pa.Table:
     grouped = updates.group_by(row_columns, use_threads=False).aggregate([(DIFF, "sum")])
     out = grouped.rename_columns([*row_columns, DIFF]).select([*row_columns, DIFF])
     return out.filter(pc.greater(out.column(DIFF), pa.scalar(0, DIFF_TYPE)))
+
+
+def consolidate_keyed(table: pa.Table, row_columns: list[str], keys: tuple[str, ...]) -> pa.Table:
+    """:func:`~.updates.consolidate` of a keyed shard's updates, summing only the keys that
+    need it: the same multiset, rows in another order.
+
+    A keyed shard holds at most one row per key at every time, so a key whose
+    updates are all ``+1`` has exactly one (a second insert with no retraction
+    between would be a second live row): that update is already consolidated
+    and passes through untouched. Only the rows of keys with some other diff
+    (an upsert's retraction and the insert beside it) are grouped. A snapshot
+    of a compacted shard has no such key and is returned as it is; one that
+    still holds upserts' pairs groups those keys' rows instead of every row
+    (``persist bench upsert``: 1,000,000 rows grouped took 120-300 ms, about
+    ten times the read's fetch). Should the invariant ever fail, a key would
+    show its rows unsummed, still twice: the fault stays visible, as
+    ``persist check`` looks for it.
+    """
+    n = table.num_rows
+    if n == 0:
+        return table
+    low, high = bounds(table.column(DIFF), n)
+    if low == high == 1:
+        return table
+    odd = pc.not_equal(table.column(DIFF), pa.scalar(1, DIFF_TYPE))
+    touched = table.filter(odd).select(list(keys))  # (repeats are fine: a set, or a semi join)
+    summed = mask_with_keys(table.select(list(keys)), keys, touched)
+    kept = table.filter(pc.invert(summed))
+    return pa.concat_tables([kept, consolidate(table.filter(summed), row_columns)])
 
 
 def upsert_updates(schema: pa.Schema, current: pa.Table, inserts: pa.Table, time: int) -> pa.Table:

@@ -334,15 +334,10 @@ class Machine:
                     self.metrics.incr(Count.CAS_RETRIES_AFTER_ERROR)
                     log.debug("shard %s: compare-and-set failed (%s); retrying", self.shard_id, e)
                     backoff.sleep(deadline)
-                    state = self._refetch()
+                    state = self.refetch()
                     continue
                 if isinstance(res, CaSCommitted):
-                    self.metrics.incr(Count.COMMITS)
-                    self.shared.update(remember_head(new_state, row))
-                    self.publisher.push(self.shard_id, row.seqno)
-                    self._maybe_rollup(new_state)
-                    if self.on_commit is not None:
-                        self.on_commit(self, new_state, state)
+                    self.install(state, new_state, row)
                     return outcome.result
                 self.metrics.incr(Count.CAS_MISMATCHES)
                 mismatches += 1
@@ -364,20 +359,32 @@ class Machine:
                         transient=retry.is_transient,
                     )
                 else:
-                    state = self._refetch()
+                    state = self.refetch()
 
-    @property
-    def _store(self) -> str:
-        return f"consensus {self.consensus.uri}"
+    def install(self, before: ShardState, after: ShardState, row: VersionedData) -> None:
+        """Make a commit of this process known: ``row`` took the shard from ``before`` to
+        ``after``. Into the shared cache (waking listeners), pushed to PubSub, a rollup when
+        due, and maintenance told; what :meth:`run` does after each commit, and a transaction
+        across shards (:mod:`.txn_commit`) after its one compare-and-set of several shards."""
+        self.metrics.incr(Count.COMMITS)
+        self.shared.update(remember_head(after, row))
+        self.publisher.push(self.shard_id, row.seqno)
+        self._maybe_rollup(after)
+        if self.on_commit is not None:
+            self.on_commit(self, after, before)
 
-    def _refetch(self) -> ShardState:
-        """fetch_latest, retrying unavailable stores until the command's deadline."""
+    def refetch(self) -> ShardState:
+        """:meth:`fetch_latest`, retrying unavailable stores until the command's deadline."""
         return retry.call(
             self.fetch_latest,
             store=self._store,
             what=f"reading shard {self.shard_id!r}",
             transient=retry.is_transient,
         )
+
+    @property
+    def _store(self) -> str:
+        return f"consensus {self.consensus.uri}"
 
     def _maybe_rollup(self, state: ShardState) -> None:
         """Write a rollup when the chain of diffs since the last one is long enough."""

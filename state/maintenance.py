@@ -47,11 +47,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import commands, retention
+from . import commands, consumers, retention
 from .blob import BlobMeta
 from .columns import int_scalar
 from .config import PersistConfig
 from .errors import PartNotFound, PersistError, ShardDropped
+from .keyed import consolidate_keyed
 from .machine import Machine, RunInfo
 from .maintenance_policy import (
     CompactRequest,
@@ -135,7 +136,9 @@ def compact(machine: Machine, batches: tuple[Batch, ...]) -> CompactionReport:
     if table is not None and table.num_rows:
         times = pc.max_element_wise(table.column(TIME), int_scalar(plan.since, TIME_TYPE))
         table = with_times(table, times)
-        if plan.consolidate:  # (not for inserts alone: see plan_merge)
+        if plan.consolidate and state.keys:  # (not for inserts alone: see plan_merge)
+            table = consolidate_keyed(table, schema.names, state.keys)
+        elif plan.consolidate:
             table = consolidate(table, schema.names)
         rows_out = table.num_rows
         builder.add(table)
@@ -169,14 +172,17 @@ class GcReport:
     orphans_deleted: int
     readers_expired: tuple[str, ...]
     writers_expired: tuple[str, ...] = ()
+    consumers_expired: tuple[str, ...] = ()
+    """Named consumers idle past their expiry: they stopped holding data (state/consumers.py)."""
 
 
 @traced("gc")
 def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) -> GcReport:
-    """Expire stale readers and idle writers, advance since by the shard's retention, delete
-    unreferenced parts and rollups, truncate Consensus."""
+    """Expire stale readers, idle writers and idle consumers, advance since by the shard's
+    retention, delete unreferenced parts and rollups, truncate Consensus."""
     now = machine.clock_ms()
     expired = machine.run(lambda s: commands.expire_leased_readers(s, now_ms=now))
+    idle = machine.run(lambda s: consumers.expire_consumers(s, now_ms=now))
     idle_ms = int(machine.config.writer_idle_expiry_s * 1000)
     writers = machine.run(lambda s: commands.expire_writers(s, now_ms=now, idle_ms=idle_ms))
     machine.run(lambda s: retention.advance_since(s, now_ms=now))
@@ -184,11 +190,11 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
     seqno_since = state.seqno_since
     claimed = machine.run(lambda s: commands.claim_gc(s, seqno_since=seqno_since))
     if not claimed and not force and not sweep_orphans:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers, idle)
     shard = machine.shard_id
     history = read_history(machine.shard_id, machine.consensus, machine.blob)
     if history is None:
-        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers)
+        return GcReport(seqno_since, 0, 0, 0, 0, expired, writers, idle)
     start, pending, first = history
     walk = gc_walk(start, pending, seqno_since)
     garbage, live, keep, at_since = walk.garbage, walk.live, walk.keep, walk.at_since
@@ -217,7 +223,9 @@ def gc(machine: Machine, *, sweep_orphans: bool = False, force: bool = False) ->
         truncated,
         swept,
     )
-    return GcReport(seqno_since, len(garbage), len(removed), truncated, swept, expired, writers)
+    return GcReport(
+        seqno_since, len(garbage), len(removed), truncated, swept, expired, writers, idle
+    )
 
 
 def _sweep_orphans(
@@ -267,7 +275,7 @@ def run_compaction(machine: Machine, request: CompactRequest) -> list[Compaction
     """Run compaction until the policy asks for nothing more (or ``request.max_rounds``)."""
     reports = []
     for _ in range(request.max_rounds):
-        batches = compaction_request(machine.fetch_latest(), machine.config)
+        batches = compaction_request(machine.fetch_latest(), machine.config, settle=request.settle)
         if batches is None:
             break
         reports.append(compact(machine, batches))
@@ -380,8 +388,9 @@ class Maintenance:
                 self._heartbeats.start()
 
     def compact_now(self, machine: Machine, max_rounds: int = 1000) -> list[CompactionReport]:
-        """Run compaction until the policy asks for nothing more (or ``max_rounds``)."""
-        return run_compaction(machine, CompactRequest(max_rounds=max_rounds))
+        """Run compaction until the policy asks for nothing more (or ``max_rounds``), folding
+        at once what since has passed (see :func:`~.retention.expired_run`)."""
+        return run_compaction(machine, CompactRequest(max_rounds=max_rounds, settle=True))
 
     def gc_now(self, machine: Machine, *, sweep_orphans: bool = True) -> GcReport:
         """Run a full GC pass now, including the orphan sweep."""

@@ -86,7 +86,9 @@ BACKPRESSURE = 2
 falling behind (e.g. starved by a tight write loop): writers then compact before returning."""
 
 
-def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch, ...] | None:
+def compaction_request(
+    state: ShardState, config: PersistConfig, *, settle: bool = False
+) -> tuple[Batch, ...] | None:
     """The run of adjacent batches that should be merged now, or None.
 
     First choice: the oldest run of at least ``fan_in`` adjacent batches of
@@ -95,12 +97,14 @@ def compaction_request(state: ShardState, config: PersistConfig) -> tuple[Batch,
     so, second, once the trace holds more than ``fan_in * MAX_TIERS``
     batches, the adjacent ``fan_in`` with the fewest rows merge. Together
     they bound the trace at about ``fan_in * MAX_TIERS`` batches. Before
-    either, on a shard with retention, the leading batches since has passed
-    (:func:`~pyspark_persist.state.retention.expired_run`).
+    either, on a shard with retention or keys, the leading batches since has
+    passed (:func:`~pyspark_persist.state.retention.expired_run`; ``settle``:
+    compaction someone asked for, which folds them all at once).
     """
     trace = state.trace
     fan = config.compaction_fan_in
-    expired = retention.expired_run(state, fan)
+    memory = config.compaction_memory_bytes
+    expired = retention.expired_run(state, fan, settle=settle, memory_bytes=memory)
     if expired is not None:
         return expired
     if len(trace) < fan:
@@ -126,7 +130,8 @@ def compaction_due(state: ShardState, config: PersistConfig) -> bool:
     """
     trace = state.trace
     fan = config.compaction_fan_in
-    if retention.expired_run(state, fan) is not None:
+    memory = config.compaction_memory_bytes
+    if retention.expired_run(state, fan, memory_bytes=memory) is not None:
         return True
     if len(trace) < fan:
         return False
@@ -214,7 +219,7 @@ def plan_merge(state: ShardState, batches: tuple[Batch, ...], config: PersistCon
 
 
 def compaction_plan(
-    state: ShardState, config: PersistConfig, max_rounds: int = 1000
+    state: ShardState, config: PersistConfig, max_rounds: int = 1000, *, settle: bool = False
 ) -> list[tuple[Batch, ...]]:
     """The merges compaction would run now, in order, as data (``--dry-run``).
 
@@ -225,7 +230,7 @@ def compaction_plan(
     """
     plan: list[tuple[Batch, ...]] = []
     for _ in range(max_rounds):
-        request = compaction_request(state, config)
+        request = compaction_request(state, config, settle=settle)
         if request is None:
             break
         plan.append(request)
@@ -393,9 +398,11 @@ def gc_plan(
 @dataclass(frozen=True)
 class CompactRequest:
     """Compaction is due: run up to ``max_rounds`` merges, each planned afresh by
-    :func:`compaction_request` from the newest state (a queued plan would be stale)."""
+    :func:`compaction_request` from the newest state (a queued plan would be stale).
+    ``settle``: someone asked for it, so what since has passed is folded at once."""
 
     max_rounds: int = 1000
+    settle: bool = False
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from .blob import Blob
 from .codec import iter_part_batches
 from .errors import InvalidFrontier, LeaseExpired, PartNotFound, ShardDropped
 from .fetch import fetch_part_bytes, release_memory
+from .keyed import consolidate_keyed
 from .machine import Count, Machine
 from .planning import NO_LIMITS, LeasedPart, PartTotals, ReadLimits, ReadPlan, plan_read
 from .schema import TIME_TYPE, conform_columns, data_schema, decode_schema, select_columns
@@ -356,13 +357,19 @@ class ReadHandle:
 
     @traced("ReadHandle.snapshot_table")
     def snapshot_table(self, as_of: Time | None = None) -> pa.Table:
-        """The shard at ``as_of`` as one consolidated table (row columns, ``_time``, ``_diff``)."""
+        """The shard at ``as_of`` as one consolidated table (row columns, ``_time``, ``_diff``).
+
+        A keyed shard's is summed only where its keys need it (see
+        :func:`~pyspark_persist.state.keyed.consolidate_keyed`)."""
         snap = self.snapshot(as_of)
         schema = self.schema
         try:
             table = self.fetch(snap.parts, schema)
         finally:
             self.release(snap.seqno)
+        keys = self._machine.state().keys
+        if keys:
+            return consolidate_keyed(table, schema.names, keys)
         return consolidate(table, schema.names)
 
     @traced("ReadHandle.listen")

@@ -220,20 +220,40 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class TxnMark:
+    """The transaction a writer's last commit belonged to: its id and its commit time, the
+    same in every shard it wrote (see :mod:`pyspark_persist.state.txn`)."""
+
+    txn_id: str
+    time: Time
+
+
+@dataclass(frozen=True)
 class WriterState:
     """What state remembers about a writer: the last idempotency token it committed."""
 
     last_token: int
     last_heartbeat_ms: int
+    txn: TxnMark | None = None
+    """Set when that commit was part of a transaction across shards (``None``: a plain write)."""
 
     def to_json(self) -> dict[str, Any]:
-        """Encode for state diffs and rollups."""
-        return {"token": self.last_token, "hb": self.last_heartbeat_ms}
+        """Encode for state diffs and rollups (``txn`` only when set, so plain writes' diffs
+        stay as they were)."""
+        d: dict[str, Any] = {"token": self.last_token, "hb": self.last_heartbeat_ms}
+        if self.txn is not None:
+            d["txn"] = {"id": self.txn.txn_id, "t": self.txn.time}
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> WriterState:
         """Decode what :meth:`to_json` produced."""
-        return cls(last_token=int(d["token"]), last_heartbeat_ms=int(d["hb"]))
+        txn = d.get("txn")
+        return cls(
+            last_token=int(d["token"]),
+            last_heartbeat_ms=int(d["hb"]),
+            txn=None if txn is None else TxnMark(str(txn["id"]), int(txn["t"])),
+        )
 
 
 @dataclass(frozen=True)
@@ -293,11 +313,88 @@ class CriticalReaderState:
         return cls(since=int(d["since"]), opaque=int(d["opaque"]))
 
 
+@dataclass(frozen=True)
+class ConsumerState:
+    """A named, durable consumer of the shard (see :mod:`pyspark_persist.state.consumers`).
+
+    Like a critical reader it holds ``since`` until it moves it; unlike one it
+    also records what it consumed (``position``, ``upper``), the micro-batches
+    planned past it (so a query resuming without its checkpoint replays the
+    same ranges), who holds it (``holder``) and the fencing token ``epoch``.
+    """
+
+    since: Time
+    upper: Time
+    position: str
+    planned: tuple[tuple[str, str], ...]
+    holder: str
+    epoch: int
+    created_ms: int
+    committed_ms: int
+    expiry_ms: int = 0
+    expired: bool = False
+    acquired_ms: int = 0
+    """Wall ms of the last acquire (or reset): with ``committed_ms``, what expiry measures from."""
+    reader: str = ""
+    """The leased reader of the query holding it (``""``: none named): the holder counts as
+    live only while that reader's lease does, so a query that died or stopped without
+    releasing (PySpark never calls a stopped source's ``stop``) stops holding it."""
+
+    @property
+    def active_ms(self) -> int:
+        """Wall ms of the consumer's last sign of life (creation, acquire, reset or advance)."""
+        return max(self.created_ms, self.committed_ms, self.acquired_ms)
+
+    def to_json(self) -> dict[str, Any]:
+        """Encode for state diffs and rollups (defaults left out)."""
+        out: dict[str, Any] = {
+            "since": self.since,
+            "upper": self.upper,
+            "pos": self.position,
+            "planned": [list(p) for p in self.planned],
+            "holder": self.holder,
+            "epoch": self.epoch,
+            "created": self.created_ms,
+            "committed": self.committed_ms,
+        }
+        if self.expiry_ms:
+            out["expiry"] = self.expiry_ms
+        if self.expired:
+            out["expired"] = True
+        if self.acquired_ms:
+            out["acquired"] = self.acquired_ms
+        if self.reader:
+            out["reader"] = self.reader
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ConsumerState:
+        """Decode what :meth:`to_json` produced."""
+        try:
+            return cls(
+                since=int(d["since"]),
+                upper=int(d["upper"]),
+                position=str(d["pos"]),
+                planned=tuple((str(s), str(e)) for s, e in d["planned"]),
+                holder=str(d["holder"]),
+                epoch=int(d["epoch"]),
+                created_ms=int(d["created"]),
+                committed_ms=int(d["committed"]),
+                expiry_ms=int(d.get("expiry", 0)),
+                expired=bool(d.get("expired", False)),
+                acquired_ms=int(d.get("acquired", 0)),
+                reader=str(d.get("reader", "")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptData(f"malformed consumer {dict(d)!r}: {e}") from e
+
+
 MAP_CODECS: dict[str, Any] = {
     "batches": Batch,
     "writers": WriterState,
     "leased_readers": LeasedReaderState,
     "critical_readers": CriticalReaderState,
+    "consumers": ConsumerState,
 }
 """The map-valued fields of ShardState and the type of their values (rollups map int->str)."""
 
@@ -342,6 +439,8 @@ class ShardState:
     writers: Mapping[str, WriterState] = field(default_factory=lambda: EMPTY_MAP)
     leased_readers: Mapping[str, LeasedReaderState] = field(default_factory=lambda: EMPTY_MAP)
     critical_readers: Mapping[str, CriticalReaderState] = field(default_factory=lambda: EMPTY_MAP)
+    consumers: Mapping[str, ConsumerState] = field(default_factory=lambda: EMPTY_MAP)
+    """Named consumers (issue 36): absent from states written before them, so empty there."""
     rollups: Mapping[int, str] = field(default_factory=lambda: EMPTY_MAP)
 
     @cached_property

@@ -202,7 +202,7 @@ def _store_method(name: str, fn: Callable[..., R]) -> Callable[..., R]:
 
 BLOB_TRACED = ("get", "get_view", "set", "delete")
 """Blob methods that open a span (every write, and reads, as persist traces S3 reads)."""
-CONSENSUS_TRACED = ("compare_and_set", "truncate")
+CONSENSUS_TRACED = ("compare_and_set", "compare_and_set_many", "truncate")
 """Consensus methods that open a span (every write; reads would be too chatty)."""
 
 

@@ -48,12 +48,12 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from .blob import Blob, BlobMeta, BlobValue
-from .consensus import CaSResult, Consensus, SeqNo, VersionedData
+from .consensus import CaSManyResult, CaSOp, CaSResult, Consensus, SeqNo, VersionedData
 from .errors import Indeterminate, InvalidUsage, StoreUnavailable
 
 T = TypeVar("T")
@@ -63,9 +63,11 @@ FAULT_KINDS: tuple[str, ...] = ("fail_before", "fail_after", "timeout", "slow")
 
 BLOB_OPS: frozenset[str] = frozenset({"get", "set", "delete", "list_keys", "stat_many"})
 CONSENSUS_OPS: frozenset[str] = frozenset(
-    {"head", "compare_and_set", "scan", "truncate", "list_keys"}
+    {"head", "compare_and_set", "compare_and_set_many", "scan", "truncate", "list_keys"}
 )
-MUTATING_OPS: frozenset[str] = frozenset({"set", "delete", "compare_and_set", "truncate"})
+MUTATING_OPS: frozenset[str] = frozenset(
+    {"set", "delete", "compare_and_set", "compare_and_set_many", "truncate"}
+)
 """Operations whose effect can land even though the caller sees an error."""
 
 
@@ -260,6 +262,16 @@ class UnreliableConsensus(_Unreliable, Consensus):
             "compare_and_set",
             f"{key!r} at SeqNo {new.seqno}",
             lambda: self.inner.compare_and_set(key, expected, new),
+        )
+
+    def compare_and_set_many(self, ops: Sequence[CaSOp]) -> CaSManyResult:
+        """The inner ``compare_and_set_many``, possibly failing first or losing its reply."""
+        keys = ", ".join(repr(key) for key, _, _ in ops)
+        return self._injector.call(
+            "consensus",
+            "compare_and_set_many",
+            keys,
+            lambda: self.inner.compare_and_set_many(ops),
         )
 
     def scan(self, key: str, from_seqno: SeqNo, limit: int | None = None) -> list[VersionedData]:

@@ -40,23 +40,20 @@ import pyarrow.parquet as pq
 from .blob import Blob
 from .codec import ARROW, PARQUET, encode_inline, iter_part_batches, part_checksum
 from .commands import AlreadyCommitted, AppendResult, Committed, UpperMismatch
-from .errors import InvalidUpdates, InvalidUsage, PartNotFound
+from .errors import InvalidUsage, PartNotFound
 from .fetch import fetch_part_bytes
 from .keyed import (
     DELETE,
-    check_key_columns,
-    check_sequence_column,
-    key_table,
     mask_with_keys,
     plan_upsert,
-    prepare_write,
     rows_with_keys,
 )
 from .machine import Machine
 from .part_formats import new_part_key
-from .schema import DIFF, conform_inserts, data_schema, decode_schema
+from .schema import DIFF, data_schema
 from .state import Batch, PartRef, ShardState, Time
 from .stats import PartStats
+from .upsert_input import UpsertWrite
 
 KEY_CACHE_BYTES = 256 << 20
 """The bytes of part key columns one process keeps (:class:`KeyColumnCache`)."""
@@ -439,58 +436,6 @@ UpsertCommit = Callable[[UpsertAttempt], AppendResult]
 """Stage an attempt's updates and compare_and_append them, with the same token every time."""
 
 
-def upsert_rows(
-    machine: Machine,
-    rows: pa.Table | pa.RecordBatch,
-    commit: UpsertCommit,
-    *,
-    sequence: str | None = None,
-    delete_column: str | None = None,
-) -> Committed | AlreadyCommitted:
-    """What :meth:`~.write.WriteHandle.upsert` does: check ``rows``, then :func:`run_upsert`."""
-    table = _as_table(rows)
-    deletes: pa.ChunkedArray | bool = False
-    if delete_column is not None:
-        deletes = _delete_flags(table, delete_column, machine.shard_id)
-        table = table.drop_columns([delete_column])
-    schema = decode_schema(machine.state().schema)
-    keys = _keys(machine, "upsert")
-    check_key_columns(table, keys, schema, machine.shard_id)  # names the key, before the rest
-    if sequence is not None:
-        check_sequence_column(table, schema, sequence, machine.shard_id)
-    table = conform_inserts(table, schema, machine.shard_id)
-    writes = prepare_write(
-        table, schema, keys, machine.shard_id, deletes=deletes, sequence=sequence
-    )
-    return run_upsert(machine, schema, keys, writes, sequence, commit)
-
-
-def delete_keys(
-    machine: Machine,
-    keys: pa.Table | pa.RecordBatch,
-    commit: UpsertCommit,
-    sequence: str | None = None,
-) -> Committed | AlreadyCommitted:
-    """What :meth:`~.write.WriteHandle.delete` does: check ``keys``, then :func:`run_upsert`."""
-    table = _as_table(keys)
-    schema = decode_schema(machine.state().schema)
-    key_columns = _keys(machine, "delete")
-    writes = prepare_write(
-        table, schema, key_columns, machine.shard_id, deletes=True, sequence=sequence
-    )
-    return run_upsert(machine, schema, key_columns, writes, sequence, commit)
-
-
-def _keys(machine: Machine, what: str) -> tuple[str, ...]:
-    keys = machine.state().keys
-    if not keys:
-        raise InvalidUsage(
-            f"{what} needs a keyed shard, and shard {machine.shard_id!r} has no keys: create "
-            'it with open_shard(name, schema, keys=["id"]), or use append()'
-        )
-    return keys
-
-
 def part_format(state: ShardState) -> str:
     """The format a shard's writes and compactions store parts in: Parquet, but Arrow for a
     keyed shard, whose upserts fetch scattered rows of every part (a ``take`` from a mapped
@@ -507,63 +452,26 @@ def refuse_keyed(state: ShardState, what: str) -> None:
         )
 
 
-def _as_table(rows: pa.Table | pa.RecordBatch) -> pa.Table:
-    if isinstance(rows, pa.RecordBatch):
-        return pa.Table.from_batches([rows])
-    if not isinstance(rows, pa.Table):
-        raise InvalidUpdates(
-            f"rows must be a pyarrow.Table or RecordBatch, got {type(rows).__name__}"
-        )
-    return rows
+def plan_attempt(
+    machine: Machine, write: UpsertWrite, state: ShardState, known: KnownRows | None
+) -> tuple[ShardState, KnownRows, UpsertAttempt]:
+    """Plan one attempt of ``write`` at ``t = max(upper, clock)`` against ``state`` (or a newer
+    state, returned, when compaction and GC took parts the lookup needed), tombstones staged.
 
-
-def _delete_flags(table: pa.Table, column: str, shard: str) -> pa.ChunkedArray:
-    """The boolean delete column of an upsert, checked: present, boolean, never null."""
-    if column not in table.column_names:
-        raise InvalidUpdates(
-            f"the upsert to shard {shard!r} lacks its delete column {column!r}: add a boolean "
-            "column (true: delete the key)"
-        )
-    flags = table.column(column)
-    if not pa.types.is_boolean(flags.type):
-        raise InvalidUpdates(
-            f"delete column {column!r} of the upsert to shard {shard!r} is {flags.type}: it "
-            "must be boolean (true: delete the key)"
-        )
-    if flags.null_count:
-        raise InvalidUpdates(
-            f"{flags.null_count} rows of the upsert to shard {shard!r} have a null in delete "
-            f"column {column!r}: say true or false"
-        )
-    return flags
-
-
-def run_upsert(
-    machine: Machine,
-    schema: pa.Schema,
-    keys: tuple[str, ...],
-    writes: pa.Table,
-    sequence: str | None,
-    commit: UpsertCommit,
-) -> Committed | AlreadyCommitted:
-    """Commit ``writes`` (:func:`~.keyed.prepare_write`'s) as one upsert, retrying lost races.
-
-    Each attempt plans against the state it read: the updates of the write's
-    keys up to its upper, caught up with the batches added since on a retry
-    (:func:`catch_up`). ``commit`` carries the same token every time, so an
-    attempt that landed answers every later one ``AlreadyCommitted``.
+    The attempt reads the updates of the write's keys up to the upper, caught
+    up from ``known`` with the batches added since (:func:`catch_up`).
     """
-    wanted = key_table(writes, keys)
     blob, shard = machine.blob, machine.shard_id
 
     def read(batches: Sequence[Batch]) -> Lookup:
-        return lookup(blob, shard, schema, batches, keys, wanted, sequence=sequence)
+        return lookup(
+            blob, shard, write.schema, batches, write.keys, write.wanted, sequence=write.sequence
+        )
 
-    state = machine.state()
-    known: KnownRows | None = None
     while True:
         try:
             known = catch_up(known, state, read)
+            break
         except PartNotFound:
             # The lookup holds no SeqNo lease: if compaction replaced the batches it read and
             # GC deleted their parts meanwhile, look again in the new state. A part missing
@@ -572,17 +480,32 @@ def run_upsert(
             if all(current.batches.get(b.key) == b for b in state.trace):
                 raise
             state, known = current, None
-            continue
-        t = max(state.upper, machine.clock_ms())
-        found = known.found
-        updates, took = plan_upsert(
-            writes, found.updates, schema, keys, t, sequence, found.tombstones
-        )
-        tombs: tuple[PartRef, ...] = ()
-        if sequence is not None:
-            deleted = took.filter(took.column(DELETE)).select([*keys, sequence])
-            tombs = stage_tombstones(machine, deleted, t)
-        result = commit(UpsertAttempt(updates, schema, state.upper, t + 1, tombs))
+    t = max(state.upper, machine.clock_ms())
+    found = known.found
+    updates, took = plan_upsert(
+        write.writes, found.updates, write.schema, write.keys, t, write.sequence, found.tombstones
+    )
+    tombs: tuple[PartRef, ...] = ()
+    if write.sequence is not None:
+        deleted = took.filter(took.column(DELETE)).select([*write.keys, write.sequence])
+        tombs = stage_tombstones(machine, deleted, t)
+    return state, known, UpsertAttempt(updates, write.schema, state.upper, t + 1, tombs)
+
+
+def run_upsert(
+    machine: Machine, write: UpsertWrite, commit: UpsertCommit
+) -> Committed | AlreadyCommitted:
+    """Commit ``write`` as one upsert, retrying lost races.
+
+    Each attempt plans against the state it read (:func:`plan_attempt`).
+    ``commit`` carries the same token every time, so an attempt that landed
+    answers every later one ``AlreadyCommitted``.
+    """
+    state = machine.state()
+    known: KnownRows | None = None
+    while True:
+        state, known, attempt = plan_attempt(machine, write, state, known)
+        result = commit(attempt)
         if not isinstance(result, UpperMismatch):
             return result
         state = machine.state()

@@ -48,7 +48,8 @@ from .staging import BatchBuilder, StagedBatch, delete_staged
 from .state import PartRef, ShardState, Time
 from .stats import time_bounds
 from .tracing import traced
-from .upsert import UpsertAttempt, UpsertCommit, delete_keys, part_format, refuse_keyed, upsert_rows
+from .upsert import UpsertAttempt, UpsertCommit, part_format, refuse_keyed, run_upsert
+from .upsert_input import prepare_delete, prepare_upsert
 from .versions import read_history
 
 log = logging.getLogger(__name__)
@@ -314,13 +315,9 @@ class WriteHandle:
         the new state; ``token`` makes a resend apply nothing (see the class doc).
         Bad keys (missing, another type, null) raise before anything is staged.
         """
-        return upsert_rows(
-            self._machine,
-            rows,
-            self._upsert_commit(token),
-            sequence=sequence_column,
-            delete_column=delete_column,
-        )
+        m = self._machine
+        write = prepare_upsert(m, rows, sequence=sequence_column, delete_column=delete_column)
+        return run_upsert(m, write, self._upsert_commit(token))
 
     @traced("WriteHandle.delete")
     def delete(
@@ -334,7 +331,8 @@ class WriteHandle:
         at one commit time. With ``sequence_column`` (a column of ``keys`` too) a delete older
         than its key's current row is ignored, and a later upsert older than the delete does
         not bring the key back (see :meth:`upsert`)."""
-        return delete_keys(self._machine, keys, self._upsert_commit(token), sequence_column)
+        write = prepare_delete(self._machine, keys, sequence_column)
+        return run_upsert(self._machine, write, self._upsert_commit(token))
 
     def _upsert_commit(self, token: int | None) -> UpsertCommit:
         """How an upsert commits each attempt: its updates staged, then compare_and_append

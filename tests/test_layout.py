@@ -316,6 +316,7 @@ KERNEL: dict[str, str] = {
     "state/commands.py": "every state transition: (state, arguments) -> diff or refusal; the "
     "caller passes the time",
     "state/retention.py": "the since retention allows, a command of the state and the caller's now",
+    "state/consumers.py": "named consumers' transitions: (state, arguments) -> diff or refusal",
     "state/config.py": "the knobs: a validated frozen value",
     "state/times.py": "times parsed and checked against frontiers; it never reads the clock",
     "state/planning.py": "which parts answer a read (plan_read), split over tasks; LeasedPart",
@@ -327,6 +328,8 @@ KERNEL: dict[str, str] = {
     "state/keys.py": "how a part key is spelled and read back; the caller passes the time",
     "state/updates.py": "a leased part's updates shaped to a read, and consolidated",
     "state/keyed.py": "key columns checked, one row per key chosen, an upsert's updates built",
+    "state/txn.py": "a transaction across shards: every participant's diff at one time, or why "
+    "not (already committed, a keyed share to plan again)",
     "state/maintenance_policy.py": "what to compact, what GC may delete, where to truncate: "
     "maintenance decided from state, run elsewhere",
 }

@@ -357,12 +357,15 @@ def shard_history(where: Location, name: str, limit: int | None) -> dict[str, An
 
 
 def format_history(result: dict[str, Any]) -> str:
-    """The readable form of :func:`shard_history`: newest first, one line per commit."""
+    """The readable form of :func:`shard_history`: newest first, one line per commit; a TXN
+    column when some commit was part of a transaction across shards."""
     rows = result["commits"]
     if not rows:
         return f"shard {result['shard']!r}: no commits kept"
+    txns = any(c.get("txn_id") for c in rows)
     table = _table(
-        ["SEQNO", "OPERATION", "COMMITTED", "WRITER", "TIMES", "PARTS", "ADDED", "RETRACTED"],
+        ["SEQNO", "OPERATION", "COMMITTED", "WRITER", "TIMES", "PARTS", "ADDED", "RETRACTED"]
+        + (["TXN"] if txns else []),
         [
             [
                 c["seqno"],
@@ -374,6 +377,7 @@ def format_history(result: dict[str, Any]) -> str:
                 _history_sizes(c, "added"),
                 _history_sizes(c, "retracted"),
             ]
+            + ([c.get("txn_id") or ""] if txns else [])
             for c in rows
         ],
     )
@@ -609,6 +613,7 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
 
     from pyspark_persist.state import consolidate, iter_parts, plan_read
     from pyspark_persist.state.errors import PartNotFound
+    from pyspark_persist.state.keyed import consolidate_keyed
     from pyspark_persist.state.schema import data_schema
 
     for _attempt in range(_SHOW_ATTEMPTS):
@@ -627,6 +632,8 @@ def read_as_of(shard: Shard, as_of: int | None) -> tuple[int, pa.Table]:
         finally:
             progress.close()
         table = pa.concat_tables(tables) if tables else data_schema(schema).empty_table()
+        if state.keys:  # (sums only the keys with a retraction, as a snapshot_table does)
+            return at, consolidate_keyed(table, schema.names, state.keys)
         return at, consolidate(table, schema.names)
     raise CliError(
         f"shard {shard.name!r} kept changing under the read (its parts were compacted and "
@@ -703,7 +710,7 @@ def compact(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
                     "rows": sum(b.rows for b in m),
                     "bytes": sum(b.size_bytes for b in m),
                 }
-                for m in compaction_plan(before, client.config)
+                for m in compaction_plan(before, client.config, settle=True)
             ]
             return {
                 "shard": name,
@@ -716,7 +723,7 @@ def compact(where: Location, name: str, *, dry_run: bool) -> dict[str, Any]:
         state = before
         try:
             for _ in range(1000):
-                request = compaction_request(state, client.config)
+                request = compaction_request(state, client.config, settle=True)
                 if request is None:
                     break
                 reports.append(run_compaction(shard.machine, request))

@@ -16,6 +16,14 @@ Contract:
   must be exactly ``expected + 1`` (1 for a new key), so two racers always
   contend for the same primary key and at most one can win. Raises
   :class:`~pyspark_persist.state.errors.Indeterminate` if it cannot tell.
+- ``compare_and_set_many([(key, expected, new), ...])``: the same check for
+  several distinct keys, and every row appended or none, in one atomic step
+  of the store (one database transaction): :class:`CaSCommitted` or
+  :class:`CaSManyMismatch` naming the keys whose head was not the expected
+  one. What makes a transaction across shards one state change
+  (:mod:`pyspark_persist.state.txn_commit`): every shard's state lives in
+  this one store. Raises ``Indeterminate`` if it cannot tell; then either
+  every row landed or none did.
 - ``scan(key, from_seqno, limit)``: rows with SeqNo >= ``from_seqno`` in order.
 - ``truncate(key, seqno)``: deletes rows with SeqNo < ``seqno``; refuses (raises
   InvalidUsage) to delete the head. Returns the number deleted.
@@ -33,8 +41,10 @@ one statement per compare-and-set, after the pool's pre-ping) and ``mem://name``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..errors import InvalidUsage
 from ..registry import open_store
 from ..tracing import CONSENSUS_TRACED, trace_store_class
 
@@ -65,6 +75,20 @@ class CaSMismatch:
 CaSResult = CaSCommitted | CaSMismatch
 
 
+@dataclass(frozen=True)
+class CaSManyMismatch:
+    """compare_and_set_many appended nothing: ``moved`` maps each key whose head was not the
+    expected one to the head found (``None``: no rows). Empty only when the heads had moved
+    back by the time they were read (a rival's rows truncated meanwhile): re-read them all."""
+
+    moved: Mapping[str, SeqNo | None]
+
+
+CaSManyResult = CaSCommitted | CaSManyMismatch
+CaSOp = tuple[str, "SeqNo | None", VersionedData]
+"""One key of a compare_and_set_many: the key, the head SeqNo expected, the row to append."""
+
+
 class Consensus(ABC):
     """A linearizable, versioned log per key. See the module doc for the contract."""
 
@@ -88,6 +112,20 @@ class Consensus(ABC):
 
         Raises InvalidUsage when ``new.seqno != (expected or 0) + 1``.
         """
+
+    def compare_and_set_many(self, ops: Sequence[CaSOp]) -> CaSManyResult:
+        """Append every ``(key, expected, new)`` row iff every key's head SeqNo is its
+        ``expected``: all in one atomic step, or none.
+
+        InvalidUsage for a repeated key, no keys, or a row that is not its key's next SeqNo.
+        A backend that cannot change several keys atomically refuses (this default), rather
+        than commit them one by one.
+        """
+        raise InvalidUsage(
+            f"consensus {self.uri} ({type(self).__name__}) cannot compare-and-set several keys "
+            "at once, which a transaction across shards needs: use sqlite://, postgresql:// or "
+            "mem:// for Consensus"
+        )
 
     @abstractmethod
     def scan(self, key: str, from_seqno: SeqNo, limit: int | None = None) -> list[VersionedData]:

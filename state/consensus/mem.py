@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Sequence
 
 from ..errors import InvalidUri, InvalidUsage
 from . import (
     CaSCommitted,
+    CaSManyMismatch,
+    CaSManyResult,
     CaSMismatch,
+    CaSOp,
     CaSResult,
     Consensus,
     SeqNo,
@@ -42,6 +46,23 @@ def check_cas_args(expected: SeqNo | None, new: VersionedData) -> None:
         raise InvalidUsage(
             f"compare_and_set expected={expected} needs new.seqno={want}, got {new.seqno}"
         )
+
+
+def check_cas_many_args(ops: Sequence[CaSOp]) -> list[CaSOp]:
+    """``ops`` checked as :func:`check_cas_args` each, sorted by key (every backend takes its
+    keys in one order, so two transactions on the same keys queue rather than deadlock).
+
+    A repeated key is refused: two rows for one key in one step cannot both be its next SeqNo.
+    """
+    if not ops:
+        raise InvalidUsage("compare_and_set_many needs at least one key")
+    keys = [key for key, _, _ in ops]
+    if len(set(keys)) != len(keys):
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        raise InvalidUsage(f"compare_and_set_many names key(s) {repeated} more than once")
+    for _, expected, new in ops:
+        check_cas_args(expected, new)
+    return sorted(ops, key=lambda op: op[0])
 
 
 def check_scan_limit(limit: int | None) -> None:
@@ -105,6 +126,19 @@ class MemConsensus(Consensus):
                     del self._store.rows[key]
                 return CaSMismatch(current)
             rows.append(VersionedData(new.seqno, bytes(new.data)))
+            return CaSCommitted()
+
+    def compare_and_set_many(self, ops: Sequence[CaSOp]) -> CaSManyResult:
+        """Append every row iff every head is as expected, under the store's lock."""
+        ops = check_cas_many_args(ops)
+        with self._store.lock:
+            rows = self._store.rows
+            heads = {key: (rows[key][-1].seqno if rows.get(key) else None) for key, _, _ in ops}
+            moved = {key: heads[key] for key, expected, _ in ops if heads[key] != expected}
+            if moved:
+                return CaSManyMismatch(moved)
+            for key, _, new in ops:
+                rows.setdefault(key, []).append(VersionedData(new.seqno, bytes(new.data)))
             return CaSCommitted()
 
     def scan(self, key: str, from_seqno: SeqNo, limit: int | None = None) -> list[VersionedData]:

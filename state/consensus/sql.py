@@ -61,9 +61,9 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from select import POLLIN, poll
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -105,13 +105,16 @@ from ..errors import (
 )
 from . import (
     CaSCommitted,
+    CaSManyMismatch,
+    CaSManyResult,
     CaSMismatch,
+    CaSOp,
     CaSResult,
     Consensus,
     SeqNo,
     VersionedData,
 )
-from .mem import check_cas_args, check_scan_limit
+from .mem import check_cas_args, check_cas_many_args, check_scan_limit
 
 T = TypeVar("T")
 
@@ -248,6 +251,7 @@ class SqlConsensus(Consensus):
         """PostgreSQL: connections kept checked out after a CaS, with when it ended
         (``time.monotonic``); guarded by ``_cas_lock``."""
         self._compiled: dict[int, tuple[Any, str, tuple[str, ...] | None]] = {}
+        self._pg_many = _pg_many_sql(table.name)
         """Statements run on the driver directly, by id: (statement, SQL, positional names)."""
         _OPEN.add(self)
         if self._sqlite:
@@ -324,24 +328,57 @@ class SqlConsensus(Consensus):
         The current head is read (a second query) only when the INSERT lost.
         """
         check_cas_args(expected, new)
-        stmt = self._stmts.cas_new_key if expected is None else self._stmts.cas
-        params = {"shard": key, "new": new.seqno, "data": new.data, "expected": expected}
 
-        def work(conn: Connection) -> bool:
-            try:
-                return conn.execute(stmt, params).rowcount == 1
-            except IntegrityError:
-                # A racer inserted the same (shard, seqno) between our WHERE
-                # and our INSERT: it won, we did not write.
-                return False
-
-        sql, names = self._driver_sql(stmt)
-        args = params if names is None else tuple(params[n] for n in names)
+        sql, args = self._cas_sql(key, expected, new)
         what = f"compare_and_set on {key!r}"
-        committed = self._run(work, write=True, what=what, cas=True, direct=(sql, args))
+        if self._sqlite:
+            direct = functools.partial(self._sqlite_cas_attempt, [(sql, args)])
+        else:
+            direct = functools.partial(self._postgres_cas_attempt, sql, args, 1)
+        committed = self._run(None, write=True, what=what, cas=True, direct=direct)
         if committed:
             return CaSCommitted()
         return CaSMismatch(self._head_seqno(key))
+
+    def compare_and_set_many(self, ops: Sequence[CaSOp]) -> CaSManyResult:
+        """Append every row iff every head is as expected, in one database transaction.
+
+        SQLite: one conditional INSERT per key inside one ``BEGIN IMMEDIATE``
+        transaction, rolled back at the first that inserts nothing (all in
+        process: no round trips to save). PostgreSQL: one statement, so one
+        round trip, inserting every row from arrays iff no key's head differs
+        from its expected one; a racer's row at the same (shard, SeqNo) makes
+        it fail whole (a unique violation), like the single-key CaS. The heads
+        are read (a second query) only when it lost.
+        """
+        ops = check_cas_many_args(ops)
+        keys = ", ".join(repr(key) for key, _, _ in ops)
+        what = f"compare_and_set_many on {keys}"
+        direct: Callable[[], bool]
+        if self._sqlite:
+            statements = [self._cas_sql(key, expected, new) for key, expected, new in ops]
+            direct = functools.partial(self._sqlite_cas_attempt, statements)
+        else:
+            args = {
+                "shards": [key for key, _, _ in ops],
+                "news": [new.seqno for _, _, new in ops],
+                "datas": [new.data for _, _, new in ops],
+                "expected": [expected for _, expected, _ in ops],
+            }
+            direct = functools.partial(self._postgres_cas_attempt, self._pg_many, args, len(ops))
+        if self._run(None, write=True, what=what, cas=True, direct=direct):
+            return CaSCommitted()
+        heads = {key: self._head_seqno(key) for key, _, _ in ops}
+        return CaSManyMismatch({k: h for k, e, _ in ops if (h := heads[k]) != e})
+
+    def _cas_sql(
+        self, key: str, expected: SeqNo | None, new: VersionedData
+    ) -> tuple[str, dict[str, Any] | tuple[Any, ...]]:
+        """The conditional INSERT of one key's row, as the driver's SQL and arguments."""
+        stmt = self._stmts.cas_new_key if expected is None else self._stmts.cas
+        params = {"shard": key, "new": new.seqno, "data": new.data, "expected": expected}
+        sql, names = self._driver_sql(stmt)
+        return sql, params if names is None else tuple(params[n] for n in names)
 
     def scan(self, key: str, from_seqno: SeqNo, limit: int | None = None) -> list[VersionedData]:
         """Return rows of ``key`` with SeqNo >= ``from_seqno``, ascending, at most ``limit``."""
@@ -420,13 +457,13 @@ class SqlConsensus(Consensus):
 
     def _run(
         self,
-        work: Callable[[Connection], T],
+        work: Callable[[Connection], T] | None,
         *,
         write: bool,
         what: str,
         cas: bool = False,
         no_table: Callable[[], T] | None = None,
-        direct: tuple[str, Any] | None = None,
+        direct: Callable[[], T] | None = None,
     ) -> T:
         """Run ``work`` in one transaction, retrying transient failures (:mod:`..retry`).
 
@@ -435,16 +472,15 @@ class SqlConsensus(Consensus):
         write is idempotent or guarded, so its transient failures are retried
         like reads'. ``no_table``: the answer of a read when the table does
         not exist yet (it is created by the first compare_and_set, so opening
-        a store, and every read, needs only SELECT). ``direct``: the CaS's SQL
-        and arguments, run by :meth:`_direct_cas_attempt` instead of ``work``.
+        a store, and every read, needs only SELECT). ``direct``: a CaS attempt
+        straight on the driver's connection (:meth:`_sqlite_cas_attempt`,
+        :meth:`_postgres_cas_attempt`), run instead of ``work``.
         """
 
         def attempt() -> T:
             if direct is not None:
-                attempt_cas = (
-                    self._sqlite_cas_attempt if self._sqlite else self._postgres_cas_attempt
-                )
-                return cast(T, attempt_cas(*direct))
+                return direct()
+            assert work is not None
             try:
                 conn = self._engine.connect()
             except SQLAlchemyError as exc:
@@ -527,8 +563,9 @@ class SqlConsensus(Consensus):
             error = DBAPIError.instance(None, None, e, dbapi.Error)
             raise _Failed(error, self._detail(error), sent=False) from e
 
-    def _postgres_cas_attempt(self, sql: str, args: Any) -> bool:
-        """One PostgreSQL compare-and-set straight on a psycopg connection.
+    def _postgres_cas_attempt(self, sql: str, args: Any, rows: int) -> bool:
+        """One PostgreSQL compare-and-set (of ``rows`` rows, all or none: one statement)
+        straight on a psycopg connection; whether it inserted them.
 
         The connection is one a CaS used moments ago, checked locally, or the
         pool's, pre-ping included (see the module doc), so a connection a
@@ -544,7 +581,7 @@ class SqlConsensus(Consensus):
         dbapi = self._engine.dialect.loaded_dbapi
         try:
             try:
-                inserted = int(conn.execute(sql, args).rowcount) == 1
+                inserted = int(conn.execute(sql, args).rowcount) == rows
             except dbapi.IntegrityError:
                 inserted = False  # a racer inserted this (shard, seqno) first: it won
             except dbapi.Error as e:
@@ -588,11 +625,13 @@ class SqlConsensus(Consensus):
                 fairy.invalidate()  # closed by the server (or spoken to): never reuse it
         return self._checkout()
 
-    def _sqlite_cas_attempt(self, sql: str, args: Any) -> bool:
-        """One SQLite compare-and-set on the connection kept checked out for them.
+    def _sqlite_cas_attempt(self, statements: list[tuple[str, Any]]) -> bool:
+        """One SQLite compare-and-set (of one row per statement, all or none) on the
+        connection kept checked out for them; whether every statement inserted its row.
 
         What the general attempt does (BEGIN IMMEDIATE, the conditional
-        INSERT, COMMIT; failures classified alike), straight on the sqlite3
+        INSERTs, COMMIT, or ROLLBACK at the first that inserted nothing;
+        failures classified alike), straight on the sqlite3
         connection with the statement SQLAlchemy compiled once: its per-call
         checkout, transaction objects and begin event cost as much as
         SQLite's own work. A connection that failed mid-use is discarded.
@@ -607,14 +646,18 @@ class SqlConsensus(Consensus):
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 sent = True
-                try:
-                    inserted = conn.execute(sql, args).rowcount == 1
-                except sqlite3.IntegrityError:
-                    inserted = False  # a racer inserted this (shard, seqno) first: it won
+                for sql, args in statements:
+                    try:
+                        inserted = conn.execute(sql, args).rowcount == 1
+                    except sqlite3.IntegrityError:
+                        inserted = False  # a racer inserted this (shard, seqno) first: it won
+                    if not inserted:
+                        conn.execute("ROLLBACK")
+                        return False
                 conn.execute("COMMIT")
-                return inserted
+                return True
             except sqlite3.Error as e:
-                error = DBAPIError.instance(sql, args, e, sqlite3.Error)
+                error = DBAPIError.instance(statements[0][0], None, e, sqlite3.Error)
                 if conn.in_transaction:
                     try:
                         conn.rollback()
@@ -722,6 +765,20 @@ _TRANSIENT_SQLSTATES = frozenset(
     }
 )
 """SQLSTATEs worth retrying (besides class 08, connection exceptions)."""
+
+
+def _pg_many_sql(table: str) -> str:
+    """PostgreSQL's compare_and_set_many: one INSERT of every row (from arrays, so one
+    statement serves any number of keys), guarded by no key's head differing from its
+    expected one (``IS DISTINCT FROM``: a NULL expected is "no rows")."""
+    return (
+        f'INSERT INTO "{table}" (shard, sequence_number, data) '
+        "SELECT o.shard, o.new, o.data FROM unnest(%(shards)s::text[], %(news)s::bigint[], "
+        "%(datas)s::bytea[]) AS o(shard, new, data) WHERE NOT EXISTS (SELECT 1 FROM "
+        "unnest(%(shards)s::text[], %(expected)s::bigint[]) AS c(shard, expected) WHERE "
+        f'(SELECT max(sequence_number) FROM "{table}" WHERE shard = c.shard) '
+        "IS DISTINCT FROM c.expected)"
+    )
 
 
 def _untouched(fairy: PoolProxiedConnection) -> bool:

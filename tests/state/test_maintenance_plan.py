@@ -300,10 +300,12 @@ def test_compaction_request_takes_the_oldest_run_of_one_tier_else_the_lightest_w
 
 def test_compaction_request_merges_what_retention_expired_first() -> None:
     """On a shard with retention, the leading batches since has passed merge before any tier
-    run (they fold into the contents at since)."""
+    run (they fold into the contents at since): every batch whose times are all at or below
+    since, so ``[2, 3)`` too at since 2."""
     config = PersistConfig(compaction_fan_in=2)
-    state = _policy_state((1, 10), (2, 100), (3, 1), (4, 1), since=2, retention_ms=1000)
+    state = _policy_state((1, 10), (2, 100), (3, 1), (4, 1), since=1, retention_ms=1000)
     assert compaction_request(state, config) == state.trace[:2]
+    assert compaction_request(replace(state, since=2), config) == state.trace[:3]
     assert compaction_request(replace(state, retention_ms=0), config) == state.trace[2:]
 
 

@@ -182,7 +182,67 @@ def test_expired_run_folds_the_leading_batches_since_has_passed(
     run = expired_run(state, fan_in=4)
     assert (0 if run is None else len(run)) == merged
     if run is not None:
-        assert run == state.trace[:merged] and all(b.upper <= since for b in run)
+        assert run == state.trace[:merged] and all(b.upper - 1 <= since for b in run)
+
+
+def _keyed(since: int, *spec: tuple[int, int, int, int | None]) -> ShardState:
+    """A keyed shard (no retention) from (upper, since, rows, smallest diff) batches, one part
+    each of 10 bytes a row; a smallest diff of None: unknown."""
+    out, lower = {}, 0
+    for upper, b_since, rows, dmin in spec:
+        part = PartRef(f"k{upper}", None, rows * 10, rows, lower, upper - 1, dmin=dmin, dmax=1)
+        b = Batch(lower, upper, b_since, (part,))
+        out[b.key] = b
+        lower = upper
+    state = ShardState(
+        shard_id="s",
+        seqno=3,
+        schema=b"",
+        since=since,
+        upper=lower,
+        keys=("id",),
+        batches=MappingProxyType(out),
+    )
+    state.check_invariants()
+    return state
+
+
+# A keyed shard after upserts: the head (what earlier folds left, inserts only) and the pairs of
+# retraction and insert of a few upserts after it; since held at upper - 1 (retention stops it
+# there), so the last batch's times are all at or below since.
+HEAD = (10, 9, 1000, 1)
+PAIRS = ((20, 0, 40, -1), (30, 0, 40, -1))
+
+
+@pytest.mark.parametrize(
+    ("state", "settle", "memory", "merged"),
+    [
+        # In the background the pairs wait until they hold as many rows as the head ...
+        (_keyed(29, HEAD, *PAIRS), False, None, 0),
+        (_keyed(29, HEAD, (20, 0, 600, -1), (30, 0, 400, -1)), False, None, 3),
+        # ... a compaction someone asked for folds them at once, the last batch too (its
+        # times, below upper 30, are all at or below since 29) ...
+        (_keyed(29, HEAD, *PAIRS), True, None, 3),
+        # ... but not a batch with times past since, nor appends with nothing to cancel,
+        (_keyed(28, HEAD, *PAIRS), True, None, 2),
+        (_keyed(29, HEAD, (20, 0, 40, 1), (30, 0, 40, 1)), True, None, 0),
+        # nor more than one rewrite may hold (compaction would concatenate: nothing folds).
+        (_keyed(29, HEAD, *PAIRS), True, 10_500, 2),
+        (_keyed(29, HEAD, *PAIRS), True, 9_000, 0),
+        # A lone batch still holding retractions at times since passed is rewritten once,
+        (_keyed(29, (30, 0, 80, -1)), False, None, 1),
+        (_keyed(29, (30, 29, 80, -1)), False, None, 0),  # (already rewritten at since)
+        (_keyed(29, (30, 0, 80, None)), True, 500, 0),  # unless it is too big to rewrite.
+    ],
+)
+def test_expired_run_of_a_keyed_shard_folds_upserts_at_once_when_asked(
+    state: ShardState, settle: bool, memory: int | None, merged: int
+) -> None:
+    """Shard.compact() (settle) leaves an idle keyed shard one batch, as if written once."""
+    run = expired_run(state, fan_in=8, settle=settle, memory_bytes=memory)
+    assert (0 if run is None else len(run)) == merged
+    if run is not None:
+        assert run == state.trace[:merged]
 
 
 def test_set_retention_is_a_state_change_that_survives_encoding_and_rollups() -> None:

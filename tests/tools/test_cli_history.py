@@ -58,3 +58,28 @@ def test_history_lists_commits_newest_first(home: Path, capsys: pytest.CaptureFi
     assert lines[-1].startswith("2 of 4 commit(s) of shard 'events'")
     assert cli.main(["shards", "history", "nope"]) == 1
     assert "nope" in capsys.readouterr().err
+
+
+def test_history_shows_a_transactions_id_on_each_of_its_commits(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A transaction over two shards: both histories name it in a TXN column (and JSON's
+    txn_id); a plain commit's cell stays empty, and a history with no transaction has no
+    such column."""
+    assert cli.main(["shards", "history", "events"]) == 0
+    assert "TXN" not in capsys.readouterr().out.splitlines()[0]
+    with PersistClient.open(config=PersistConfig(maintenance=False)) as client:
+        client.open_shard("items", pa.schema([("id", pa.int64())]))
+        with client.txn(writer_id="etl", token=1) as t:
+            t.append("events", pa.table({"id": [9]}))
+            t.append("items", pa.table({"id": [9]}))
+    for shard in ("events", "items"):
+        assert cli.main(["shards", "history", shard, "--json"]) == 0
+        newest = json.loads(capsys.readouterr().out)["commits"][0]
+        assert (newest["txn_id"], newest["writer_id"]) == (t.txn_id, "etl")
+        assert cli.main(["shards", "history", shard]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split()[-1] == "TXN" and lines[1].split()[-1] == t.txn_id
+    assert cli.main(["shards", "history", "events"]) == 0
+    plain = capsys.readouterr().out.splitlines()[2]  # the append before: w2's retraction
+    assert "w2" in plain and t.txn_id not in plain

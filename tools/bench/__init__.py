@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, Entry] = {
     ),
     "load": Entry("load", "many writers and readers at once"),
     "upsert": Entry("upsert", "keyed-shard upserts against deltalake's merge; growth to 10x"),
+    "txn": Entry("txn", "a one-row transaction over 2 and 10 shards beside a one-row append"),
     "all": Entry("report", "every benchmark, one report"),
 }
 """``persist bench NAME`` -> where its ``BENCHMARK`` is, and what it measures."""

@@ -139,18 +139,21 @@ def no_io_source(
     partitions: int,
     make_batch: Callable[[int], pa.RecordBatch],
     distinct: bool = False,
+    name: str | None = None,
 ) -> type[DataSource]:
-    """A source class named ``NO_IO`` (``IN_MEMORY`` if ``distinct``) that yields ``rows``
-    rows of ``make_batch`` batches.
+    """A source class named ``name`` (default ``NO_IO``, ``IN_MEMORY`` if ``distinct``) that
+    yields ``rows`` rows of ``make_batch`` batches.
 
     ``make_batch(n)`` must return an ``n``-row batch exactly in Spark's Arrow form of
-    ``struct``. The class carries its settings, so registering it is all it takes.
+    ``struct``. The class carries its settings, so registering it is all it takes; sources
+    of other settings registered in one session need names of their own.
     """
+    source_name = name or (IN_MEMORY if distinct else NO_IO)
 
     class NoIOSource(DataSource):
         @classmethod
         def name(cls) -> str:
-            return IN_MEMORY if distinct else NO_IO
+            return source_name
 
         def schema(self) -> StructType:
             return struct

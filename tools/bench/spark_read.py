@@ -71,6 +71,9 @@ COLD_TARGET = 1.5
 DEFAULT_TARGET = 1.1
 """A read with default options may take at most this many times the better tuned split's."""
 CEILING = "python source, no I/O"
+CEILING_AT_DEFAULT = "python source, no I/O, default's tasks"
+"""The no-I/O source over as many tasks as persist's default split of the appended shard: what
+Spark itself charges for that many tasks, beside the same source at one task per core."""
 IN_MEMORY = "python source, in memory"
 """The timing of the API-ceiling peer (see ``ceiling.py``)."""
 SHARD = "bench-spark-read"
@@ -331,16 +334,17 @@ def _no_io_df(
     distinct: bool = False,
     schema: pa.Schema = SCHEMA,
     make_batch: Callable[[int], pa.RecordBatch] = read_batch,
+    name: str | None = None,
 ) -> Any:
     """The no-I/O (or with ``distinct`` the in-memory) source of ``rows`` rows of ``schema``
-    read as persist reads it, ``make_batch``'s batches (see ``ceiling.py``)."""
+    read as persist reads it, ``make_batch``'s batches, over ``cores`` tasks (see
+    ``ceiling.py``; ``name``: register it under a name of its own)."""
     from pyspark_persist.schema import read_schema
-    from pyspark_persist.tools.bench.ceiling import IN_MEMORY as IN_MEMORY_SOURCE
-    from pyspark_persist.tools.bench.ceiling import NO_IO, no_io_source
+    from pyspark_persist.tools.bench.ceiling import no_io_source
 
-    source = no_io_source(read_schema(schema), rows, cores, make_batch, distinct)
+    source = no_io_source(read_schema(schema), rows, cores, make_batch, distinct, name)
     spark.dataSource.register(source)
-    return spark.read.format(IN_MEMORY_SOURCE if distinct else NO_IO).load()
+    return spark.read.format(source.name()).load()
 
 
 COLD_SOURCES = ("persist", "no-io")
@@ -444,6 +448,12 @@ class Report(Result):
     def split_speedup(self) -> float:
         """The appended shard read 2 partitions per core, against 1."""
         return self.timing("persist 1/core").seconds / self.timing("persist 2/core").seconds
+
+    @property
+    def spark_task_cost(self) -> float:
+        """The no-I/O source's time at the default's task count over its time at one task per
+        core: the part of :meth:`default_over_tuned` that is Spark's, not persist's."""
+        return self.timing(CEILING_AT_DEFAULT).seconds / self.timing(CEILING).seconds
 
     @property
     def persist_vs_parquet(self) -> float:
@@ -627,6 +637,10 @@ def _time_narrow(
     )
     readers[PARQUET] = spark.read.parquet(parquet_dir)
     readers[CEILING] = _no_io_df(spark, report.rows, opts.cores)
+    default_tasks = readers[f"persist {DEFAULT}"].rdd.getNumPartitions()
+    readers[CEILING_AT_DEFAULT] = _no_io_df(
+        spark, report.rows, default_tasks, name="persist-bench-no-io-default-tasks"
+    )
     readers[IN_MEMORY] = _no_io_df(spark, report.rows, opts.cores, distinct=True)
     scans = _best_interleaved(list(readers.values()), opts.repeat)
     report.timings.extend(
@@ -701,6 +715,11 @@ def format_report(report: Report) -> str:
             for label, _ in SHARDS
         )
         + f" (target <= {DEFAULT_TARGET}x: {verdict(report.default_ok)})"
+    )
+    lines.append(
+        f"  Spark's own cost of the default's "
+        f"{report.timing(CEILING_AT_DEFAULT).partitions} tasks (the no-I/O source at that many "
+        f"/ at one per core): {report.spark_task_cost:.2f}x"
     )
     lines.append(
         f"  persist (default options) / Spark Parquet: appended "

@@ -195,17 +195,9 @@ def run_wide(spark: Any, home: str, workdir: str, mib: int, cores: int, repeat: 
 
     subset = StructType.fromDDL(SUBSET_SCHEMA)
     assert isinstance(subset, StructType)
-    no_io = no_io_source(subset, rows, cores, subset_batch)
-
-    class SubsetNoIO(no_io):  # type: ignore[valid-type, misc]
-        """The no-I/O source of the subset's 2 columns, under a name of its own."""
-
-        @classmethod
-        def name(cls) -> str:
-            return f"{NO_IO}-subset"
-
-    spark.dataSource.register(SubsetNoIO)
-    subset_no_io = spark.read.format(SubsetNoIO.name()).load()
+    subset_name = f"{NO_IO}-subset"
+    spark.dataSource.register(no_io_source(subset, rows, cores, subset_batch, name=subset_name))
+    subset_no_io = spark.read.format(subset_name).load()
     per_core = {"minPartitions": str(cores), "splitSizeBytes": "1t"}
     sources = {
         PERSIST_SUBSET: (persist(SUBSET_SCHEMA), SUBSET_QUERY),
