@@ -1,0 +1,565 @@
+"""The delivery benchmark: a persist stream into PostgreSQL, exactly once, beside Spark's own writers.
+
+Run it as ``persist bench delivery`` (or ``python -m pyspark_persist.tools.bench.delivery``;
+``--quick`` for a smoke run, ``--json`` for machine-readable output). It needs the
+PostgreSQL server at ``--url`` (default the test database, trust auth) and Spark's
+PostgreSQL JDBC driver from Debian's ``libpostgresql-jdbc-java`` (``--jdbc-jar``, passed
+with ``spark.jars``; nothing is downloaded). In one Spark session it measures, each figure
+beside a peer of the same run:
+
+- **bulk**: ``--size-mib`` MiB (Arrow bytes; 1 GiB) of rows ``(id int64, x float64, s
+  32-char string)``, appended to a persist shard in ``--batch-mib`` appends, delivered
+  into a fresh PostgreSQL table by ``foreachBatch(exactly_once(sinks.postgres(url,
+  table)))`` (a ``Trigger.AvailableNow`` stream with ``maxBytesPerTrigger`` =
+  ``--batch-mib``: the sink collects each micro-batch to the driver, so a stream bounds
+  it), and by Spark's JDBC writer (``df.write.jdbc``, default options) from a batch read
+  of the same shard into another fresh table of the same layout. Target: sinks.postgres
+  at least 0.8x JDBC's throughput. Beside them, the time the sink's calls took of its
+  query (the rest is Spark reading and handing the micro-batches over).
+- **freshness**: ``rate-micro-batch`` (one row per micro-batch, every ``--trigger-ms``)
+  -> persist sink; two queries tail the shard at once: persist source with a
+  ``consumer`` -> ``foreachBatch(exactly_once(sinks.postgres))``, and persist source ->
+  ``memory`` sink (the persist -> memory pipeline). Rows are stamped as in ``persist bench
+  spark-freshness`` (the writer's micro-batch start), the memory pipeline's seen at its
+  reader's micro-batch start, PostgreSQL's when the row is written in its transaction
+  (``clock_timestamp()``, the moment before commit: the delivery itself counted, so the
+  comparison is on the strict side); the reader's micro-batch start is printed beside.
+  Target: PostgreSQL p50 at most 1.3x the memory pipeline's.
+- **consumer cost**: the same persist -> memory query twice at once on the same shard,
+  one with ``.option("consumer", ...)``: the median ``latestOffset`` and ``walCommit``
+  (where Spark calls the source's ``commit()``, which moves the consumer) from Spark's
+  progress ``durationMs``. Target: the consumer adds at most 5 ms to each.
+
+The freshness and consumer runs last ``--seconds`` each and count the micro-batches from
+``--steady-seconds`` on. The machine's load average is printed at the start and end: read
+the ratios, not the absolute figures, on a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from pyspark_persist.tools.bench import ratio_text, step
+from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
+from pyspark_persist.tools.bench.spark_freshness import (
+    Pipeline,
+    _measured,
+    _register,
+    _run_steady,
+    _start_reader,
+    _store_options,
+)
+from pyspark_persist.tools.bench.spark_read import ROW_BYTES, SCHEMA, generate
+
+if TYPE_CHECKING:
+    import psycopg
+
+MiB = 1 << 20
+BULK_TARGET = 0.8
+"""sinks.postgres's bulk throughput over Spark's JDBC writer's, at least."""
+FRESHNESS_TARGET = 1.3
+"""PostgreSQL delivery's freshness p50 over the persist -> memory pipeline's, at most."""
+CONSUMER_TARGET_MS = 5.0
+"""What a consumer may add to a micro-batch's latestOffset and walCommit medians."""
+CONSUMER_PHASES = ("latestOffset", "walCommit")
+POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+JDBC_JAR = "/usr/share/java/postgresql.jar"
+SINK = "sinks.postgres"
+JDBC = "spark jdbc"
+COLUMNS = "id bigint, x double precision, s text"
+"""The bulk tables' layout, both writers': what each would create from SCHEMA."""
+
+
+@dataclass(frozen=True)
+class DeliveryOptions(Options):
+    """What to run."""
+
+    size_mib: int = flag(1024, "bulk: MiB of rows (Arrow bytes) each writer delivers", quick=16)
+    batch_mib: int = flag(
+        64,
+        "bulk: the shard's appends and the sink query's maxBytesPerTrigger, MiB",
+        quick=4,
+        positive=True,
+    )
+    seconds: float = flag(
+        40.0, "freshness and consumer cost: run time of each", quick=12.0, positive=True
+    )
+    steady_seconds: float = flag(
+        10.0, "micro-batches that started before this are dropped", quick=4.0
+    )
+    trigger_ms: int = flag(500, "freshness: the rate writer's trigger interval", positive=True)
+    url: str = flag(POSTGRES_URL, "the PostgreSQL database delivered into (libpq URL)")
+    jdbc_jar: str = flag(JDBC_JAR, "PostgreSQL's JDBC driver (Debian libpostgresql-jdbc-java)")
+    master: str = flag("local[2]", "Spark master")
+    workdir: str | None = flag(None, "keep the stores here (default: a temporary directory)")
+
+
+@dataclass
+class Bulk:
+    """One writer's delivery of the bulk rows."""
+
+    writer: str
+    rows: int
+    mib: float
+    seconds: float
+    in_writer_seconds: float | None = None
+    """sinks.postgres only: the seconds spent in the sink's calls (collect, COPY, commit)."""
+
+    @property
+    def mib_per_s(self) -> float:
+        """Arrow MiB delivered a second."""
+        return round(self.mib / self.seconds, 2)
+
+    @property
+    def rows_per_s(self) -> float:
+        """Rows delivered a second."""
+        return round(self.rows / self.seconds)
+
+
+@dataclass
+class DeliveryReport(Result):
+    """Everything one run measured."""
+
+    size_mib: int
+    batch_mib: int
+    seconds: float
+    steady_seconds: float
+    trigger_ms: int
+    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    bulk: list[Bulk] = field(default_factory=list)
+    bulk_ratio: float = 0.0
+    """sinks.postgres's MiB/s over JDBC's."""
+    memory: Pipeline | None = None
+    """The persist -> memory pipeline beside PostgreSQL's."""
+    postgres: Pipeline | None = None
+    """Freshness to the row written in PostgreSQL's transaction."""
+    postgres_seen: Pipeline | None = None
+    """The same rows, to the PostgreSQL query's micro-batch start."""
+    freshness_ratio: float = 0.0
+    """PostgreSQL's p50 over the memory pipeline's."""
+    consumer_phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``{"without": {phase: median ms}, "with": {...}}``: the reader query's phases."""
+    consumer_added_ms: dict[str, float] = field(default_factory=dict)
+    """Per phase of CONSUMER_PHASES: with minus without."""
+    targets: dict[str, bool] = field(default_factory=dict)
+
+    def bulk_of(self, writer: str) -> Bulk:
+        """The bulk figures of ``writer`` (SINK or JDBC)."""
+        found = next((b for b in self.bulk if b.writer == writer), None)
+        if found is None:
+            raise KeyError(f"no bulk writer {writer!r}: the run has {[b.writer for b in self.bulk]}")
+        return found
+
+
+def _session(master: str, jar: str) -> Any:
+    """A session with the JDBC driver on the driver's and executors' class path."""
+    from pyspark.sql import SparkSession
+
+    if not os.path.exists(jar):
+        raise FileNotFoundError(
+            f"no PostgreSQL JDBC driver at {jar}: install Debian's libpostgresql-jdbc-java "
+            "(apt-get install libpostgresql-jdbc-java), or pass --jdbc-jar"
+        )
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers import this checkout
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("persist-bench-delivery")
+        .config("spark.jars", jar)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.driver.memory", "3g")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _connect(url: str) -> psycopg.Connection:
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True)
+
+
+def _jdbc(url: str) -> tuple[str, dict[str, str]]:
+    """A libpq URL as Spark's JDBC URL and connection properties."""
+    parts = urlsplit(url)
+    props = {"driver": "org.postgresql.Driver", "user": parts.username or "postgres"}
+    if parts.password:
+        props["password"] = parts.password
+    host = f"{parts.hostname or '127.0.0.1'}:{parts.port or 5432}"
+    return f"jdbc:postgresql://{host}{parts.path or '/postgres'}", props
+
+
+def _fresh_table(url: str, name: str, columns: str) -> None:
+    with _connect(url) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {name}")
+        conn.execute(f"CREATE TABLE {name} ({columns})")
+
+
+def _drop_tables(url: str, names: list[str]) -> None:
+    from pyspark_persist.sinks import TOKENS_TABLE
+
+    with _connect(url) as conn:
+        for name in names:
+            conn.execute(f"DROP TABLE IF EXISTS {name}")
+        if conn.execute("SELECT to_regclass(%s)", (TOKENS_TABLE,)).fetchone() not in (None, (None,)):
+            conn.execute(f"DELETE FROM {TOKENS_TABLE} WHERE target = ANY(%s)", (names,))
+
+
+def _count(url: str, table: str) -> int:
+    with _connect(url) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
+    return int(row[0]) if row else 0
+
+
+def write_bulk_shard(workdir: str, shard: str, size_mib: int, batch_mib: int) -> int:
+    """Append ``size_mib`` MiB of rows to ``shard`` in appends of ``batch_mib`` MiB (each its
+    own time, so ``maxBytesPerTrigger`` can cut the snapshot); the rows written."""
+    from pyspark_persist.state import PersistClient
+
+    opts = _store_options(workdir, "off")
+    client = PersistClient.open(opts["blob"], opts["consensus"])
+    try:
+        writer = client.open_shard(shard, SCHEMA, create=True).writer()
+        total = size_mib * MiB // ROW_BYTES
+        chunk = max(1, batch_mib * MiB // ROW_BYTES)
+        for start in range(0, total, chunk):
+            writer.append(generate(min(chunk, total - start), start))
+    finally:
+        client.close()
+    return total
+
+
+def _timed(fn: Callable[[Any, str], Any], spent: list[float]) -> Callable[[Any, str], Any]:
+    """``fn`` adding each call's seconds to ``spent``."""
+
+    def call(df: Any, token: str) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(df, token)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    return call
+
+
+def run_bulk(spark: Any, opts: DeliveryOptions, workdir: str, tag: str) -> list[Bulk]:
+    """Deliver the bulk shard with each writer (see the module doc)."""
+    from pyspark_persist import exactly_once, sinks
+
+    shard = f"bulk_{tag}"
+    step(f"delivery: appending {opts.size_mib} MiB to shard {shard}")
+    rows = write_bulk_shard(workdir, shard, opts.size_mib, opts.batch_mib)
+    mib = rows * ROW_BYTES / MiB
+    store = _store_options(workdir, "off")
+    jdbc_table, sink_table = f"bench_jdbc_{tag}", f"bench_sink_{tag}"
+    results = []
+    try:
+        _fresh_table(opts.url, jdbc_table, COLUMNS)
+        step(f"delivery: {mib:.0f} MiB through Spark's JDBC writer")
+        url, props = _jdbc(opts.url)
+        df = spark.read.format("persist").options(**store).load(shard).select("id", "x", "s")
+        t0 = time.perf_counter()
+        df.write.jdbc(url, jdbc_table, mode="append", properties=props)
+        results.append(Bulk(JDBC, rows, mib, time.perf_counter() - t0))
+
+        _fresh_table(opts.url, sink_table, COLUMNS)
+        step(f"delivery: {mib:.0f} MiB through foreachBatch(exactly_once(sinks.postgres))")
+        sink = sinks.postgres(opts.url, sink_table, create=False)
+        spent: list[float] = []
+        stream = (
+            spark.readStream.format("persist")
+            .options(**store)
+            .option("maxBytesPerTrigger", f"{opts.batch_mib}m")
+            .load(shard)
+            .select("id", "x", "s", "_diff")
+        )
+        t0 = time.perf_counter()
+        query = (
+            stream.writeStream.foreachBatch(exactly_once(_timed(sink, spent)))
+            .option("checkpointLocation", os.path.join(workdir, f"{shard}-ckpt"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+        seconds = time.perf_counter() - t0
+        sink.close()
+        if query.exception() is not None:
+            raise RuntimeError(f"the sinks.postgres query failed: {query.exception()}")
+        results.append(Bulk(SINK, rows, mib, seconds, round(sum(spent), 2)))
+        for b, table in zip(results, (jdbc_table, sink_table), strict=True):
+            landed = _count(opts.url, table)
+            if landed != rows:
+                raise RuntimeError(f"{b.writer} delivered {landed} rows of {rows} into {table}")
+    finally:
+        _drop_tables(opts.url, [jdbc_table, sink_table])
+    return results
+
+
+def _writer_query(spark: Any, store: dict[str, str], shard: str, base: str, trigger_ms: int) -> Any:
+    """``rate-micro-batch`` (one row a micro-batch) stamped at its micro-batch start ->
+    persist sink; returned once the shard exists (after its first commit)."""
+    from pyspark.sql import functions as F
+
+    events = (
+        spark.readStream.format("rate-micro-batch")
+        .option("rowsPerBatch", 1)
+        .load()
+        .select(F.col("value"), F.unix_micros(F.current_timestamp()).alias("stamp_us"))
+    )
+    query = (
+        events.writeStream.format("persist")
+        .options(**store)
+        .option("checkpointLocation", f"{base}/sink-ckpt")
+        .trigger(processingTime=f"{trigger_ms} milliseconds")
+        .start(shard)
+    )
+    return _started(query, "the rate -> persist query")
+
+
+def _started(query: Any, what: str) -> Any:
+    """``query`` once its first micro-batch ran. The queries of a pipeline start one by one:
+    each starts a Python process for its source or sink, which must connect back to Spark
+    within 10 s, and on a loaded machine several starting at once missed that."""
+    while query.lastProgress is None and query.exception() is None:
+        time.sleep(0.05)
+    if query.exception() is not None:
+        raise RuntimeError(f"{what} failed: {query.exception()}")
+    return query
+
+
+def _source(spark: Any, store: dict[str, str], shard: str, consumer: str | None) -> Any:
+    reader = spark.readStream.format("persist").options(**store)
+    if consumer is not None:
+        reader = reader.option("consumer", consumer)
+    return reader.load(shard)
+
+
+def _postgres_pipeline(
+    url: str, table: str, since: float, phases: dict[str, float]
+) -> tuple[Pipeline, Pipeline]:
+    """(stamp -> written in PostgreSQL, stamp -> the query's micro-batch start) of the rows
+    stamped at or after ``since``."""
+
+    def pipeline(kind: str, column: str) -> Pipeline:
+        with _connect(url) as conn:
+            rows = conn.execute(
+                f"SELECT ({column} - stamp_us) / 1000.0 FROM {table} "
+                "WHERE stamp_us >= %s ORDER BY 1",
+                (int(since * 1e6),),
+            ).fetchall()
+        kept = [float(r[0]) for r in rows]
+        if not kept:
+            raise RuntimeError(f"no row written in steady state reached {table}")
+        return Pipeline(
+            kind,
+            len(kept),
+            round(statistics.median(kept), 1),
+            round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
+            round(kept[-1], 1),
+            {"reader": phases},
+        )
+
+    return pipeline("postgres", "delivered_us"), pipeline("postgres seen", "seen_us")
+
+
+def run_freshness(
+    spark: Any, opts: DeliveryOptions, workdir: str, tag: str
+) -> tuple[Pipeline, Pipeline, Pipeline]:
+    """rate -> persist, tailed at once by a consumer into PostgreSQL and by a memory sink:
+    (memory, PostgreSQL written, PostgreSQL's micro-batch start)."""
+    from pyspark.sql import functions as F
+
+    from pyspark_persist import exactly_once, sinks
+
+    shard, table = f"fresh_{tag}", f"bench_fresh_{tag}"
+    base = os.path.join(workdir, shard)
+    store = _store_options(workdir, "auto")
+    _fresh_table(
+        opts.url,
+        table,
+        "value bigint, stamp_us bigint, seen_us bigint, delivered_us bigint NOT NULL "
+        "DEFAULT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+    )
+    sink = sinks.postgres(opts.url, table, create=False)
+    try:
+        queries = {"sink": _writer_query(spark, store, shard, base, opts.trigger_ms)}
+        to_pg = _source(spark, store, shard, f"to-pg-{tag}").select(
+            "value", "stamp_us", F.unix_micros(F.current_timestamp()).alias("seen_us"), "_diff"
+        )
+        queries["postgres"] = _started(
+            to_pg.writeStream.foreachBatch(exactly_once(sink))
+            .option("checkpointLocation", f"{base}/pg-ckpt")
+            .start(),
+            "the persist -> sinks.postgres query",
+        )
+        queries["reader"] = _started(
+            _start_reader(_source(spark, store, shard, None), f"{base}/memory", f"memory_{tag}"),
+            "the persist -> memory query",
+        )
+        phases, since = _run_steady(
+            queries, "the freshness pipelines", opts.seconds, opts.steady_seconds
+        )
+        memory = _measured(spark, "memory", f"memory_{tag}", since, phases, {})
+        postgres, seen = _postgres_pipeline(opts.url, table, since, phases["postgres"])
+    finally:
+        sink.close()
+        _drop_tables(opts.url, [table])
+    return memory, postgres, seen
+
+
+def run_consumer_cost(
+    spark: Any, opts: DeliveryOptions, workdir: str, tag: str
+) -> dict[str, dict[str, float]]:
+    """rate -> persist, tailed at once by two persist -> memory queries, one a consumer:
+    each one's phase medians (``{"without": ..., "with": ...}``)."""
+    shard = f"consumer_{tag}"
+    base = os.path.join(workdir, shard)
+    store = _store_options(workdir, "auto")
+    queries = {"sink": _writer_query(spark, store, shard, base, opts.trigger_ms)}
+    for which, consumer in (("without", None), ("with", f"to-memory-{tag}")):
+        queries[which] = _started(
+            _start_reader(
+                _source(spark, store, shard, consumer), f"{base}/{which}", f"{which}_{tag}"
+            ),
+            f"the persist -> memory query {which} a consumer",
+        )
+    phases, _ = _run_steady(queries, "the consumer-cost queries", opts.seconds, opts.steady_seconds)
+    for which in ("without", "with"):
+        spark.catalog.dropTempView(f"{which}_{tag}")
+    return {which: phases[which] for which in ("without", "with")}
+
+
+def run(options: DeliveryOptions, spark: Any = None) -> DeliveryReport:
+    """Run every part as ``options`` says; in ``spark`` if given (it must have the JDBC driver
+    on its class path; then left running)."""
+    workdir = options.workdir or tempfile.mkdtemp(prefix="persist-bench-delivery-")
+    os.makedirs(workdir, exist_ok=True)
+    _connect(options.url).close()  # unreachable: fail before starting Spark
+    report = DeliveryReport(
+        options.size_mib,
+        options.batch_mib,
+        options.seconds,
+        options.steady_seconds,
+        options.trigger_ms,
+        load_before=os.getloadavg(),
+    )
+    own = spark is None
+    session = _session(options.master, options.jdbc_jar) if own else spark
+    _register(session)
+    tag = uuid.uuid4().hex[:8]
+    try:
+        report.bulk = run_bulk(session, options, workdir, tag)
+        step(f"delivery: freshness, persist -> PostgreSQL beside memory ({options.seconds:g} s)")
+        report.memory, report.postgres, report.postgres_seen = run_freshness(
+            session, options, workdir, tag
+        )
+        step(f"delivery: consumer cost, persist -> memory with and without ({options.seconds:g} s)")
+        report.consumer_phases = run_consumer_cost(session, options, workdir, tag)
+    finally:
+        if own:
+            session.stop()
+        if options.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report.load_after = os.getloadavg()
+    report.bulk_ratio = round(report.bulk_of(SINK).mib_per_s / report.bulk_of(JDBC).mib_per_s, 3)
+    report.targets["bulk"] = report.bulk_ratio >= BULK_TARGET
+    report.freshness_ratio = round(report.postgres.p50_ms / report.memory.p50_ms, 3)
+    report.targets["freshness"] = report.freshness_ratio <= FRESHNESS_TARGET
+    for phase in CONSUMER_PHASES:
+        added = report.consumer_phases["with"].get(phase, 0.0) - report.consumer_phases[
+            "without"
+        ].get(phase, 0.0)
+        report.consumer_added_ms[phase] = round(added, 1)
+        report.targets[f"consumer {phase}"] = added <= CONSUMER_TARGET_MS
+    return report
+
+
+def _ok(met: bool) -> str:
+    return "ok" if met else "MISSED"
+
+
+def render(report: DeliveryReport) -> str:
+    """The report as tables for people."""
+    load = "/".join(f"{x:.1f}" for x in report.load_before)
+    after = "/".join(f"{x:.1f}" for x in report.load_after)
+    jdbc, sink = report.bulk_of(JDBC), report.bulk_of(SINK)
+    lines = [
+        f"persist bench delivery: {report.size_mib} MiB bulk in {report.batch_mib} MiB "
+        f"micro-batches; freshness and consumer cost {report.seconds:g} s each, steady after "
+        f"{report.steady_seconds:g} s; load average {load} before, {after} after",
+        "",
+        "Bulk delivery of one shard into a fresh PostgreSQL table:",
+        f"  {'writer':<48}{'rows':>10}{'MiB':>7}{'s':>8}{'MiB/s':>8}{'rows/s':>10}",
+    ]
+    names = {
+        JDBC: "batch read -> df.write.jdbc",
+        SINK: "stream -> foreachBatch(exactly_once(sinks.postgres))",
+    }
+    for b in (jdbc, sink):
+        lines.append(
+            f"  {names[b.writer]:<48}{b.rows:>10}{b.mib:>7.0f}{b.seconds:>8.1f}"
+            f"{b.mib_per_s:>8.1f}{b.rows_per_s:>10.0f}"
+        )
+    lines.append(
+        f"  sinks.postgres/jdbc: {ratio_text(report.bulk_ratio, BULK_TARGET)} (target >= "
+        f"{BULK_TARGET}x: {_ok(report.targets['bulk'])}); the sink's calls took "
+        f"{sink.in_writer_seconds:.1f} s of its query's {sink.seconds:.1f} s"
+    )
+    assert report.memory and report.postgres and report.postgres_seen
+    lines += [
+        "",
+        "Freshness (writer's micro-batch start -> delivered), one row per micro-batch, ms:",
+        f"  {'pipeline':<52}{'samples':>8}{'p50':>8}{'p95':>8}{'max':>8}",
+    ]
+    rows = (
+        ("persist -> memory (reader's micro-batch start)", report.memory),
+        ("persist -> consumer -> sinks.postgres (row written)", report.postgres),
+        ("  the same rows at the query's micro-batch start", report.postgres_seen),
+    )
+    for name, p in rows:
+        lines.append(f"  {name:<52}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}")
+    lines.append(
+        f"  postgres/memory p50: {ratio_text(report.freshness_ratio, FRESHNESS_TARGET)} (target <= "
+        f"{FRESHNESS_TARGET}x: {_ok(report.targets['freshness'])})"
+    )
+    pg_phases = report.postgres.phases_ms["reader"]
+    mem_phases = report.memory.phases_ms.get("reader", {})
+    lines.append(
+        "  median addBatch: postgres "
+        f"{pg_phases.get('addBatch', 0):.0f} ms, memory {mem_phases.get('addBatch', 0):.0f} ms"
+    )
+    lines += [
+        "",
+        "Consumer cost: persist -> memory, two queries at once on one shard, median ms:",
+        f"  {'phase':<16}{'without':>9}{'with':>9}{'added':>9}",
+    ]
+    for phase in CONSUMER_PHASES:
+        without = report.consumer_phases["without"].get(phase, 0.0)
+        with_ = report.consumer_phases["with"].get(phase, 0.0)
+        added = report.consumer_added_ms[phase]
+        lines.append(
+            f"  {phase:<16}{without:>9.1f}{with_:>9.1f}{added:>+9.1f}  (target <= "
+            f"{CONSUMER_TARGET_MS:g} ms: {_ok(report.targets[f'consumer {phase}'])})"
+        )
+    return "\n".join(lines)
+
+
+BENCHMARK = Benchmark("delivery", DeliveryOptions, run, render, __doc__)
+"""``persist bench delivery``."""
+
+if __name__ == "__main__":
+    sys.exit(BENCHMARK.main())
