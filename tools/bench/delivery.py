@@ -1,4 +1,4 @@
-"""The delivery benchmark: a persist stream into PostgreSQL, exactly once, beside Spark's own writers.
+"""The delivery benchmark: a persist stream into PostgreSQL exactly once, beside Spark's writers.
 
 Run it as ``persist bench delivery`` (or ``python -m pyspark_persist.tools.bench.delivery``;
 ``--quick`` for a smoke run, ``--json`` for machine-readable output). It needs the
@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 from pyspark_persist.tools.bench import ratio_text, step
 from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 from pyspark_persist.tools.bench.spark_freshness import (
+    PHASES,
     Pipeline,
     _measured,
     _register,
@@ -72,6 +73,9 @@ FRESHNESS_TARGET = 1.3
 CONSUMER_TARGET_MS = 5.0
 """What a consumer may add to a micro-batch's latestOffset and walCommit medians."""
 CONSUMER_PHASES = ("latestOffset", "walCommit")
+START_ATTEMPTS = 3
+SLOW_WORKER = "failed to connect back"
+"""Spark's error when a query's Python process took more than 10 s to start."""
 POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 JDBC_JAR = "/usr/share/java/postgresql.jar"
 SINK = "sinks.postgres"
@@ -146,6 +150,10 @@ class DeliveryReport(Result):
     """Freshness to the row written in PostgreSQL's transaction."""
     postgres_seen: Pipeline | None = None
     """The same rows, to the PostgreSQL query's micro-batch start."""
+    postgres_calls_ms: dict[str, float] = field(default_factory=dict)
+    """Steady medians: ``foreach_batch``, the whole function foreachBatch calls
+    (``exactly_once``'s plan walk and the sink), and ``sink``, sinks.postgres's call in it
+    (collect, COPY, commit)."""
     freshness_ratio: float = 0.0
     """PostgreSQL's p50 over the memory pipeline's."""
     consumer_phases: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -158,7 +166,9 @@ class DeliveryReport(Result):
         """The bulk figures of ``writer`` (SINK or JDBC)."""
         found = next((b for b in self.bulk if b.writer == writer), None)
         if found is None:
-            raise KeyError(f"no bulk writer {writer!r}: the run has {[b.writer for b in self.bulk]}")
+            raise KeyError(
+                f"no bulk writer {writer!r}: the run has {[b.writer for b in self.bulk]}"
+            )
         return found
 
 
@@ -215,7 +225,10 @@ def _drop_tables(url: str, names: list[str]) -> None:
     with _connect(url) as conn:
         for name in names:
             conn.execute(f"DROP TABLE IF EXISTS {name}")
-        if conn.execute("SELECT to_regclass(%s)", (TOKENS_TABLE,)).fetchone() not in (None, (None,)):
+        if conn.execute("SELECT to_regclass(%s)", (TOKENS_TABLE,)).fetchone() not in (
+            None,
+            (None,),
+        ):
             conn.execute(f"DELETE FROM {TOKENS_TABLE} WHERE target = ANY(%s)", (names,))
 
 
@@ -243,17 +256,25 @@ def write_bulk_shard(workdir: str, shard: str, size_mib: int, batch_mib: int) ->
     return total
 
 
-def _timed(fn: Callable[[Any, str], Any], spent: list[float]) -> Callable[[Any, str], Any]:
-    """``fn`` adding each call's seconds to ``spent``."""
+def _timed(
+    fn: Callable[[Any, Any], Any], calls: list[tuple[float, float]]
+) -> Callable[[Any, Any], Any]:
+    """``fn`` recording each call's (wall-clock start, seconds) in ``calls``."""
 
-    def call(df: Any, token: str) -> Any:
-        t0 = time.perf_counter()
+    def call(df: Any, arg: Any) -> Any:
+        start, t0 = time.time(), time.perf_counter()
         try:
-            return fn(df, token)
+            return fn(df, arg)
         finally:
-            spent.append(time.perf_counter() - t0)
+            calls.append((start, time.perf_counter() - t0))
 
     return call
+
+
+def _median_ms(calls: list[tuple[float, float]], since: float) -> float:
+    """The median ms of the calls that started at or after ``since``."""
+    kept = [s for start, s in calls if start >= since]
+    return round(statistics.median(kept) * 1000, 1) if kept else 0.0
 
 
 def run_bulk(spark: Any, opts: DeliveryOptions, workdir: str, tag: str) -> list[Bulk]:
@@ -279,7 +300,7 @@ def run_bulk(spark: Any, opts: DeliveryOptions, workdir: str, tag: str) -> list[
         _fresh_table(opts.url, sink_table, COLUMNS)
         step(f"delivery: {mib:.0f} MiB through foreachBatch(exactly_once(sinks.postgres))")
         sink = sinks.postgres(opts.url, sink_table, create=False)
-        spent: list[float] = []
+        spent: list[tuple[float, float]] = []
         stream = (
             spark.readStream.format("persist")
             .options(**store)
@@ -299,7 +320,7 @@ def run_bulk(spark: Any, opts: DeliveryOptions, workdir: str, tag: str) -> list[
         sink.close()
         if query.exception() is not None:
             raise RuntimeError(f"the sinks.postgres query failed: {query.exception()}")
-        results.append(Bulk(SINK, rows, mib, seconds, round(sum(spent), 2)))
+        results.append(Bulk(SINK, rows, mib, seconds, round(sum(s for _, s in spent), 2)))
         for b, table in zip(results, (jdbc_table, sink_table), strict=True):
             landed = _count(opts.url, table)
             if landed != rows:
@@ -320,25 +341,49 @@ def _writer_query(spark: Any, store: dict[str, str], shard: str, base: str, trig
         .load()
         .select(F.col("value"), F.unix_micros(F.current_timestamp()).alias("stamp_us"))
     )
-    query = (
-        events.writeStream.format("persist")
-        .options(**store)
-        .option("checkpointLocation", f"{base}/sink-ckpt")
-        .trigger(processingTime=f"{trigger_ms} milliseconds")
-        .start(shard)
+    return _start(
+        lambda: (
+            events.writeStream.format("persist")
+            .options(**store)
+            .option("checkpointLocation", f"{base}/sink-ckpt")
+            .trigger(processingTime=f"{trigger_ms} milliseconds")
+            .start(shard)
+        ),
+        "the rate -> persist query",
     )
-    return _started(query, "the rate -> persist query")
 
 
-def _started(query: Any, what: str) -> Any:
-    """``query`` once its first micro-batch ran. The queries of a pipeline start one by one:
-    each starts a Python process for its source or sink, which must connect back to Spark
-    within 10 s, and on a loaded machine several starting at once missed that."""
-    while query.lastProgress is None and query.exception() is None:
-        time.sleep(0.05)
-    if query.exception() is not None:
-        raise RuntimeError(f"{what} failed: {query.exception()}")
-    return query
+def _start(start: Callable[[], Any], what: str) -> Any:
+    """The query ``start()`` starts, once its first micro-batch ran.
+
+    The queries of a pipeline start one by one, and a query is started again (up to
+    START_ATTEMPTS times) when its source's or sink's Python process did not connect back
+    to Spark in time: Spark waits 10 s (fixed), which a loaded machine missed for queries
+    starting at once and, now and then, for one alone.
+    """
+    for attempt in range(1, START_ATTEMPTS + 1):
+        error: Any
+        try:
+            query = start()
+        except Exception as e:  # noqa: BLE001 - Spark's errors carry the worker's in their text
+            error = e
+        else:
+            while query.lastProgress is None and query.exception() is None:
+                time.sleep(0.05)
+            error = query.exception()
+            if error is None:
+                return query
+        if SLOW_WORKER not in str(error) or attempt == START_ATTEMPTS:
+            raise RuntimeError(f"{what} failed: {error}")
+        step(f"delivery: {what}: {SLOW_WORKER} (a loaded machine); starting it again")
+    raise AssertionError("unreachable")
+
+
+def _stop_all(queries: dict[str, Any]) -> None:
+    """Stop every query of a pipeline that failed to start."""
+    for query in queries.values():
+        if query.isActive:
+            query.stop()
 
 
 def _source(spark: Any, store: dict[str, str], shard: str, consumer: str | None) -> Any:
@@ -378,9 +423,10 @@ def _postgres_pipeline(
 
 def run_freshness(
     spark: Any, opts: DeliveryOptions, workdir: str, tag: str
-) -> tuple[Pipeline, Pipeline, Pipeline]:
+) -> tuple[Pipeline, Pipeline, Pipeline, dict[str, float]]:
     """rate -> persist, tailed at once by a consumer into PostgreSQL and by a memory sink:
-    (memory, PostgreSQL written, PostgreSQL's micro-batch start)."""
+    (memory, PostgreSQL written, PostgreSQL's micro-batch start, the median ms of the
+    foreachBatch function's calls and of the sink's in them)."""
     from pyspark.sql import functions as F
 
     from pyspark_persist import exactly_once, sinks
@@ -395,30 +441,44 @@ def run_freshness(
         "DEFAULT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
     )
     sink = sinks.postgres(opts.url, table, create=False)
+    batches: list[tuple[float, float]] = []
+    writes: list[tuple[float, float]] = []
     try:
-        queries = {"sink": _writer_query(spark, store, shard, base, opts.trigger_ms)}
-        to_pg = _source(spark, store, shard, f"to-pg-{tag}").select(
-            "value", "stamp_us", F.unix_micros(F.current_timestamp()).alias("seen_us"), "_diff"
-        )
-        queries["postgres"] = _started(
-            to_pg.writeStream.foreachBatch(exactly_once(sink))
-            .option("checkpointLocation", f"{base}/pg-ckpt")
-            .start(),
-            "the persist -> sinks.postgres query",
-        )
-        queries["reader"] = _started(
-            _start_reader(_source(spark, store, shard, None), f"{base}/memory", f"memory_{tag}"),
-            "the persist -> memory query",
-        )
+        queries: dict[str, Any] = {}
+        try:
+            queries["sink"] = _writer_query(spark, store, shard, base, opts.trigger_ms)
+            to_pg = _source(spark, store, shard, f"to-pg-{tag}").select(
+                "value", "stamp_us", F.unix_micros(F.current_timestamp()).alias("seen_us"), "_diff"
+            )
+            queries["postgres"] = _start(
+                lambda: (
+                    to_pg.writeStream.foreachBatch(
+                        _timed(exactly_once(_timed(sink, writes)), batches)
+                    )
+                    .option("checkpointLocation", f"{base}/pg-ckpt")
+                    .start()
+                ),
+                "the persist -> sinks.postgres query",
+            )
+            queries["reader"] = _start(
+                lambda: _start_reader(
+                    _source(spark, store, shard, None), f"{base}/memory", f"memory_{tag}"
+                ),
+                "the persist -> memory query",
+            )
+        except BaseException:
+            _stop_all(queries)
+            raise
         phases, since = _run_steady(
             queries, "the freshness pipelines", opts.seconds, opts.steady_seconds
         )
         memory = _measured(spark, "memory", f"memory_{tag}", since, phases, {})
         postgres, seen = _postgres_pipeline(opts.url, table, since, phases["postgres"])
+        calls = {"foreach_batch": _median_ms(batches, since), "sink": _median_ms(writes, since)}
     finally:
         sink.close()
         _drop_tables(opts.url, [table])
-    return memory, postgres, seen
+    return memory, postgres, seen, calls
 
 
 def run_consumer_cost(
@@ -429,14 +489,19 @@ def run_consumer_cost(
     shard = f"consumer_{tag}"
     base = os.path.join(workdir, shard)
     store = _store_options(workdir, "auto")
-    queries = {"sink": _writer_query(spark, store, shard, base, opts.trigger_ms)}
-    for which, consumer in (("without", None), ("with", f"to-memory-{tag}")):
-        queries[which] = _started(
-            _start_reader(
-                _source(spark, store, shard, consumer), f"{base}/{which}", f"{which}_{tag}"
-            ),
-            f"the persist -> memory query {which} a consumer",
-        )
+    queries: dict[str, Any] = {}
+    try:
+        queries["sink"] = _writer_query(spark, store, shard, base, opts.trigger_ms)
+        for which, consumer in (("without", None), ("with", f"to-memory-{tag}")):
+            queries[which] = _start(
+                lambda which=which, consumer=consumer: _start_reader(
+                    _source(spark, store, shard, consumer), f"{base}/{which}", f"{which}_{tag}"
+                ),
+                f"the persist -> memory query {which} a consumer",
+            )
+    except BaseException:
+        _stop_all(queries)
+        raise
     phases, _ = _run_steady(queries, "the consumer-cost queries", opts.seconds, opts.steady_seconds)
     for which in ("without", "with"):
         spark.catalog.dropTempView(f"{which}_{tag}")
@@ -464,8 +529,8 @@ def run(options: DeliveryOptions, spark: Any = None) -> DeliveryReport:
     try:
         report.bulk = run_bulk(session, options, workdir, tag)
         step(f"delivery: freshness, persist -> PostgreSQL beside memory ({options.seconds:g} s)")
-        report.memory, report.postgres, report.postgres_seen = run_freshness(
-            session, options, workdir, tag
+        report.memory, report.postgres, report.postgres_seen, report.postgres_calls_ms = (
+            run_freshness(session, options, workdir, tag)
         )
         step(f"delivery: consumer cost, persist -> memory with and without ({options.seconds:g} s)")
         report.consumer_phases = run_consumer_cost(session, options, workdir, tag)
@@ -538,9 +603,16 @@ def render(report: DeliveryReport) -> str:
     )
     pg_phases = report.postgres.phases_ms["reader"]
     mem_phases = report.memory.phases_ms.get("reader", {})
+    lines.append(f"  median ms per phase: {'postgres':>10}{'memory':>8}")
+    for phase in PHASES:
+        if phase in pg_phases or phase in mem_phases:
+            lines.append(
+                f"    {phase:<19}{pg_phases.get(phase, 0):>10.0f}{mem_phases.get(phase, 0):>8.0f}"
+            )
+    calls = report.postgres_calls_ms
     lines.append(
-        "  median addBatch: postgres "
-        f"{pg_phases.get('addBatch', 0):.0f} ms, memory {mem_phases.get('addBatch', 0):.0f} ms"
+        f"  of postgres's addBatch: the foreachBatch function {calls['foreach_batch']:.0f} ms, "
+        f"in it sinks.postgres {calls['sink']:.0f} ms (collect, COPY, commit)"
     )
     lines += [
         "",
