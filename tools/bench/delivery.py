@@ -37,6 +37,7 @@ the ratios, not the absolute figures, on a shared machine.
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import statistics
@@ -54,7 +55,7 @@ from pyspark_persist.tools.bench.api import Benchmark, Options, Result, flag
 from pyspark_persist.tools.bench.spark_freshness import (
     PHASES,
     Pipeline,
-    _measured,
+    _progress_at,
     _register,
     _run_steady,
     _start_reader,
@@ -80,6 +81,10 @@ POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 JDBC_JAR = "/usr/share/java/postgresql.jar"
 SINK = "sinks.postgres"
 JDBC = "spark jdbc"
+FRESHNESS = ("memory", "postgres", "memory seen", "postgres seen", "postgres written")
+"""The freshness figures: each pipeline's rows to delivery (the end of the reader's
+``addBatch``) and to the reader's micro-batch start (``seen``), and PostgreSQL's to their
+write in its transaction (``clock_timestamp()``, a check on the first)."""
 COLUMNS = "id bigint, x double precision, s text"
 """The bulk tables' layout, both writers': what each would create from SCHEMA."""
 
@@ -144,23 +149,29 @@ class DeliveryReport(Result):
     bulk: list[Bulk] = field(default_factory=list)
     bulk_ratio: float = 0.0
     """sinks.postgres's MiB/s over JDBC's."""
-    memory: Pipeline | None = None
-    """The persist -> memory pipeline beside PostgreSQL's."""
-    postgres: Pipeline | None = None
-    """Freshness to the row written in PostgreSQL's transaction."""
-    postgres_seen: Pipeline | None = None
-    """The same rows, to the PostgreSQL query's micro-batch start."""
+    freshness: list[Pipeline] = field(default_factory=list)
+    """One per FRESHNESS kind (see :meth:`pipeline`)."""
     postgres_calls_ms: dict[str, float] = field(default_factory=dict)
     """Steady medians: ``foreach_batch``, the whole function foreachBatch calls
     (``exactly_once``'s plan walk and the sink), and ``sink``, sinks.postgres's call in it
     (collect, COPY, commit)."""
     freshness_ratio: float = 0.0
-    """PostgreSQL's p50 over the memory pipeline's."""
+    """PostgreSQL's p50 over the memory pipeline's, both to delivery."""
+    seen_ratio: float = 0.0
+    """The same, both to the reader's micro-batch start (``persist bench spark-freshness``'s
+    measure, which leaves the reader's own micro-batch out)."""
     consumer_phases: dict[str, dict[str, float]] = field(default_factory=dict)
     """``{"without": {phase: median ms}, "with": {...}}``: the reader query's phases."""
     consumer_added_ms: dict[str, float] = field(default_factory=dict)
     """Per phase of CONSUMER_PHASES: with minus without."""
     targets: dict[str, bool] = field(default_factory=dict)
+
+    def pipeline(self, kind: str) -> Pipeline:
+        """The freshness of ``kind``, one of FRESHNESS."""
+        found = next((p for p in self.freshness if p.kind == kind), None)
+        if found is None:
+            raise KeyError(f"no pipeline {kind!r}: the run has {[p.kind for p in self.freshness]}")
+        return found
 
     def bulk_of(self, writer: str) -> Bulk:
         """The bulk figures of ``writer`` (SINK or JDBC)."""
@@ -191,6 +202,7 @@ def _session(master: str, jar: str) -> Any:
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.driver.memory", "3g")
+        .config("spark.sql.streaming.numRecentProgressUpdates", "1000")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
@@ -321,6 +333,8 @@ def run_bulk(spark: Any, opts: DeliveryOptions, workdir: str, tag: str) -> list[
         if query.exception() is not None:
             raise RuntimeError(f"the sinks.postgres query failed: {query.exception()}")
         results.append(Bulk(SINK, rows, mib, seconds, round(sum(s for _, s in spent), 2)))
+        for b in results:
+            step(f"delivery: {b.writer}: {b.mib:.0f} MiB in {b.seconds:.1f} s, {b.mib_per_s} MiB/s")
         for b, table in zip(results, (jdbc_table, sink_table), strict=True):
             landed = _count(opts.url, table)
             if landed != rows:
@@ -393,40 +407,62 @@ def _source(spark: Any, store: dict[str, str], shard: str, consumer: str | None)
     return reader.load(shard)
 
 
-def _postgres_pipeline(
-    url: str, table: str, since: float, phases: dict[str, float]
-) -> tuple[Pipeline, Pipeline]:
-    """(stamp -> written in PostgreSQL, stamp -> the query's micro-batch start) of the rows
-    stamped at or after ``since``."""
-
-    def pipeline(kind: str, column: str) -> Pipeline:
-        with _connect(url) as conn:
-            rows = conn.execute(
-                f"SELECT ({column} - stamp_us) / 1000.0 FROM {table} "
-                "WHERE stamp_us >= %s ORDER BY 1",
-                (int(since * 1e6),),
-            ).fetchall()
-        kept = [float(r[0]) for r in rows]
-        if not kept:
-            raise RuntimeError(f"no row written in steady state reached {table}")
-        return Pipeline(
-            kind,
-            len(kept),
-            round(statistics.median(kept), 1),
-            round(kept[min(len(kept) - 1, int(0.95 * len(kept)))], 1),
-            round(kept[-1], 1),
-            {"reader": phases},
+def _delivery_ends(query: Any) -> tuple[list[float], list[float]]:
+    """Each micro-batch of ``query`` as (starts, ends of ``addBatch``), wall-clock seconds, by
+    start: a sink's rows are delivered when its ``addBatch`` returns (the memory sink's
+    visible, foreachBatch's function returned after PostgreSQL's commit), which is the
+    micro-batch's ``triggerExecution`` less its ``commitOffsets`` (Spark's log, after)."""
+    spans = sorted(
+        (
+            _progress_at(p),
+            _progress_at(p)
+            + (p.durationMs.get("triggerExecution", 0) - p.durationMs.get("commitOffsets", 0))
+            / 1000,
         )
+        for p in query.recentProgress
+    )
+    return [a for a, _ in spans], [b for _, b in spans]
 
-    return pipeline("postgres", "delivered_us"), pipeline("postgres seen", "seen_us")
+
+def _pipeline(kind: str, ms: list[float], phases: dict[str, float]) -> Pipeline:
+    """A pipeline's figures from its rows' freshness ``ms``."""
+    if not ms:
+        raise RuntimeError(f"{kind}: no row written in steady state was delivered")
+    ms = sorted(ms)
+    p95 = ms[min(len(ms) - 1, int(0.95 * len(ms)))]
+    return Pipeline(
+        kind,
+        len(ms),
+        round(statistics.median(ms), 1),
+        round(p95, 1),
+        round(ms[-1], 1),
+        {"reader": phases},
+    )
+
+
+def _freshness(
+    kind: str, rows: list[tuple[int, int]], query: Any, phases: dict[str, float]
+) -> tuple[Pipeline, Pipeline]:
+    """(stamp -> delivered, stamp -> the reader's micro-batch start) of ``rows``, each
+    ``(stamp_us, seen_us)``: ``seen_us`` is its micro-batch's ``current_timestamp()``, taken
+    as the micro-batch plans (at or just after its progress start, to the ms)."""
+    starts, ends = _delivery_ends(query)
+    delivered, seen = [], []
+    for stamp_us, seen_us in rows:
+        i = bisect.bisect_right(starts, seen_us / 1e6 + 0.001) - 1
+        if i >= 0:
+            delivered.append(ends[i] * 1000 - stamp_us / 1000)
+            seen.append((seen_us - stamp_us) / 1000)
+    return _pipeline(kind, delivered, phases), _pipeline(f"{kind} seen", seen, phases)
 
 
 def run_freshness(
     spark: Any, opts: DeliveryOptions, workdir: str, tag: str
-) -> tuple[Pipeline, Pipeline, Pipeline, dict[str, float]]:
+) -> tuple[list[Pipeline], dict[str, float]]:
     """rate -> persist, tailed at once by a consumer into PostgreSQL and by a memory sink:
-    (memory, PostgreSQL written, PostgreSQL's micro-batch start, the median ms of the
-    foreachBatch function's calls and of the sink's in them)."""
+    FRESHNESS (each pipeline to delivery and to its micro-batch start, and PostgreSQL's
+    rows to their write), and the median ms of the foreachBatch function's calls and of
+    the sink's in them."""
     from pyspark.sql import functions as F
 
     from pyspark_persist import exactly_once, sinks
@@ -472,13 +508,33 @@ def run_freshness(
         phases, since = _run_steady(
             queries, "the freshness pipelines", opts.seconds, opts.steady_seconds
         )
-        memory = _measured(spark, "memory", f"memory_{tag}", since, phases, {})
-        postgres, seen = _postgres_pipeline(opts.url, table, since, phases["postgres"])
+        view = f"memory_{tag}"
+        in_memory = spark.sql(
+            f"SELECT stamp_us, seen_us FROM {view} WHERE stamp_us >= {int(since * 1e6)}"
+        ).collect()
+        spark.catalog.dropTempView(view)
+        memory = _freshness(
+            "memory",
+            [(r.stamp_us, r.seen_us) for r in in_memory],
+            queries["reader"],
+            phases["reader"],
+        )
+        with _connect(opts.url) as conn:
+            in_pg = conn.execute(
+                f"SELECT stamp_us, seen_us, delivered_us FROM {table} WHERE stamp_us >= %s",
+                (int(since * 1e6),),
+            ).fetchall()
+        postgres = _freshness(
+            "postgres", [(r[0], r[1]) for r in in_pg], queries["postgres"], phases["postgres"]
+        )
+        written = _pipeline(
+            "postgres written", [(r[2] - r[0]) / 1000 for r in in_pg], phases["postgres"]
+        )
         calls = {"foreach_batch": _median_ms(batches, since), "sink": _median_ms(writes, since)}
     finally:
         sink.close()
         _drop_tables(opts.url, [table])
-    return memory, postgres, seen, calls
+    return [*memory, *postgres, written], calls
 
 
 def run_consumer_cost(
@@ -529,9 +585,7 @@ def run(options: DeliveryOptions, spark: Any = None) -> DeliveryReport:
     try:
         report.bulk = run_bulk(session, options, workdir, tag)
         step(f"delivery: freshness, persist -> PostgreSQL beside memory ({options.seconds:g} s)")
-        report.memory, report.postgres, report.postgres_seen, report.postgres_calls_ms = (
-            run_freshness(session, options, workdir, tag)
-        )
+        report.freshness, report.postgres_calls_ms = run_freshness(session, options, workdir, tag)
         step(f"delivery: consumer cost, persist -> memory with and without ({options.seconds:g} s)")
         report.consumer_phases = run_consumer_cost(session, options, workdir, tag)
     finally:
@@ -542,7 +596,11 @@ def run(options: DeliveryOptions, spark: Any = None) -> DeliveryReport:
     report.load_after = os.getloadavg()
     report.bulk_ratio = round(report.bulk_of(SINK).mib_per_s / report.bulk_of(JDBC).mib_per_s, 3)
     report.targets["bulk"] = report.bulk_ratio >= BULK_TARGET
-    report.freshness_ratio = round(report.postgres.p50_ms / report.memory.p50_ms, 3)
+    memory, postgres = report.pipeline("memory"), report.pipeline("postgres")
+    report.freshness_ratio = round(postgres.p50_ms / memory.p50_ms, 3)
+    report.seen_ratio = round(
+        report.pipeline("postgres seen").p50_ms / report.pipeline("memory seen").p50_ms, 3
+    )
     report.targets["freshness"] = report.freshness_ratio <= FRESHNESS_TARGET
     for phase in CONSUMER_PHASES:
         added = report.consumer_phases["with"].get(phase, 0.0) - report.consumer_phases[
@@ -584,25 +642,30 @@ def render(report: DeliveryReport) -> str:
         f"{BULK_TARGET}x: {_ok(report.targets['bulk'])}); the sink's calls took "
         f"{sink.in_writer_seconds:.1f} s of its query's {sink.seconds:.1f} s"
     )
-    assert report.memory and report.postgres and report.postgres_seen
     lines += [
         "",
         "Freshness (writer's micro-batch start -> delivered), one row per micro-batch, ms:",
         f"  {'pipeline':<52}{'samples':>8}{'p50':>8}{'p95':>8}{'max':>8}",
     ]
-    rows = (
-        ("persist -> memory (reader's micro-batch start)", report.memory),
-        ("persist -> consumer -> sinks.postgres (row written)", report.postgres),
-        ("  the same rows at the query's micro-batch start", report.postgres_seen),
-    )
-    for name, p in rows:
-        lines.append(f"  {name:<52}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}")
+    names = {
+        "memory": "persist -> memory (addBatch returned)",
+        "postgres": "persist -> consumer -> sinks.postgres (committed)",
+        "memory seen": "persist -> memory, reader's micro-batch start",
+        "postgres seen": "persist -> postgres, reader's micro-batch start",
+        "postgres written": "persist -> postgres, row written in its transaction",
+    }
+    for kind in FRESHNESS:
+        p = report.pipeline(kind)
+        lines.append(
+            f"  {names[kind]:<52}{p.samples:>8}{p.p50_ms:>8.0f}{p.p95_ms:>8.0f}{p.max_ms:>8.0f}"
+        )
     lines.append(
-        f"  postgres/memory p50: {ratio_text(report.freshness_ratio, FRESHNESS_TARGET)} (target <= "
-        f"{FRESHNESS_TARGET}x: {_ok(report.targets['freshness'])})"
+        f"  postgres/memory p50: {ratio_text(report.freshness_ratio, FRESHNESS_TARGET)} (target "
+        f"<= {FRESHNESS_TARGET}x: {_ok(report.targets['freshness'])}); at the micro-batch "
+        f"start {report.seen_ratio:.2f}x"
     )
-    pg_phases = report.postgres.phases_ms["reader"]
-    mem_phases = report.memory.phases_ms.get("reader", {})
+    pg_phases = report.pipeline("postgres").phases_ms["reader"]
+    mem_phases = report.pipeline("memory").phases_ms["reader"]
     lines.append(f"  median ms per phase: {'postgres':>10}{'memory':>8}")
     for phase in PHASES:
         if phase in pg_phases or phase in mem_phases:
