@@ -69,8 +69,9 @@ def postgres(
     ``create``: a missing table is created from the micro-batch's schema (primary key
     ``keys``); with ``create=False`` it must exist (a clear error otherwise). Either way
     it must have every column of the stream. ``url``: a libpq URL
-    (``postgresql://user@host:5432/db``). The micro-batch is collected to the driver
-    (bound it with ``maxBytesPerTrigger``) and applied in one transaction.
+    (``postgresql://user@host:5432/db``). The micro-batch is collected to the driver as
+    Arrow (so it must fit ``spark.driver.maxResultSize``: bound it with
+    ``maxBytesPerTrigger``) and applied in one transaction.
     """
     return PostgresSink(url, table, tuple(keys) if keys else (), create, tokens_table)
 

@@ -30,6 +30,7 @@ def test_every_map_has_a_typed_put_and_delete() -> None:
         "writers": "writer",
         "leased_readers": "leased_reader",
         "critical_readers": "critical_reader",
+        "consumers": "consumer",
         "rollups": "rollup",
     }
     assert sorted(singular) == sorted([*MAP_CODECS, "rollups"])
