@@ -251,12 +251,15 @@ def _count(url: str, table: str) -> int:
 
 
 def write_bulk_shard(workdir: str, shard: str, size_mib: int, batch_mib: int) -> int:
-    """Append ``size_mib`` MiB of rows to ``shard`` in appends of ``batch_mib`` MiB (each its
-    own time, so ``maxBytesPerTrigger`` can cut the snapshot); the rows written."""
-    from pyspark_persist.state import PersistClient
+    """Append ``size_mib`` MiB of rows to ``shard`` in appends of ``batch_mib`` MiB; the rows
+    written. Maintenance is off: compaction would merge the appends into one batch, and a
+    micro-batch holds whole batches, so ``maxBytesPerTrigger`` could not cut the snapshot
+    (the sink's first micro-batch, collected to the driver, ran a 3 GiB JVM out of memory)."""
+    from pyspark_persist.state import PersistClient, PersistConfig
 
     opts = _store_options(workdir, "off")
-    client = PersistClient.open(opts["blob"], opts["consensus"])
+    config = PersistConfig(maintenance=False)
+    client = PersistClient.open(opts["blob"], opts["consensus"], config=config)
     try:
         writer = client.open_shard(shard, SCHEMA, create=True).writer()
         total = size_mib * MiB // ROW_BYTES
