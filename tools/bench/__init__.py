@@ -31,6 +31,10 @@ BENCHMARKS: dict[str, Entry] = {
     ),
     "load": Entry("load", "many writers and readers at once"),
     "upsert": Entry("upsert", "keyed-shard upserts against deltalake's merge; growth to 10x"),
+    "delivery": Entry(
+        "delivery",
+        "a persist stream into PostgreSQL: bulk vs Spark's JDBC writer, freshness, consumer cost",
+    ),
     "txn": Entry("txn", "a one-row transaction over 2 and 10 shards beside a one-row append"),
     "all": Entry("report", "every benchmark, one report"),
 }
