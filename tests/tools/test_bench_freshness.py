@@ -16,6 +16,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from pyspark_persist.state.client import PersistClient
+from pyspark_persist.tools.bench import ratio_text
 from pyspark_persist.tools.bench.spark_freshness import (
     ALONE_SHARD,
     KEY_SPACE,
@@ -124,8 +125,10 @@ def test_upsert_pipeline_reports_its_ratios_to_the_append_pipeline(
     assert set(report.targets) == {"upsert addBatch", "upsert p50", "upsert p95"}
     text = render(report)
     assert "rate -> persist upsert -> persist source" in text
-    assert f"upsert/persist append: p50 {report.upsert_p50_ratio:.2f}x (target <= 1.2x" in text
-    assert f"sink addBatch {report.upsert_add_batch_ratio:.2f}x (target <= 1.5x" in text
+    p50 = ratio_text(report.upsert_p50_ratio, 1.2)  # three decimals where two would hit 1.2
+    assert f"upsert/persist append: p50 {p50} (target <= 1.2x" in text
+    added_text = ratio_text(report.upsert_add_batch_ratio, 1.5)
+    assert f"sink addBatch {added_text} (target <= 1.5x" in text
     assert f"held {prefill} live keys at the steady window's start, {prefill} at the end" in text
     assert "persist/file" not in text  # no file pipeline ran
     assert [p.kind for p in report.alone] == ["persist"]
