@@ -262,6 +262,9 @@ LIVE_OPS = (
     "keyed_writes_abandoned",
     "keyed_snapshots",
     "keyed_listen_events",
+    "txns_committed",
+    "txns_plain_appends",
+    "txns_cuts",
 )
 """The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
 after it is :attr:`Report.operations_checked`)."""
@@ -857,6 +860,9 @@ class Report:
             + self.ops["keyed_writes_checked"]
             + self.ops["keyed_commits_checked"]
             + self.ops["keyed_snapshots_checked"]
+            + self.ops["txns_commits_checked"]
+            + self.ops["txns_cuts_checked"]
+            + self.ops["txns_listen_events"]
         )
 
     def live_ops(self) -> int:
@@ -3422,6 +3428,12 @@ FAULTS: dict[str, Callable[[Context], Piece]] = {
     "consumers": Consumers,
 }
 """The fault menu: each entry builds one named piece of the run (``--faults`` picks)."""
+
+# The txns piece lives in a module of its own, which builds on the pieces above.
+from pyspark_persist.tools.checker_txns import TXN_SABOTAGE, TxnShards  # noqa: E402
+
+FAULTS["txns"] = TxnShards
+SABOTAGE.update(TXN_SABOTAGE)
 
 
 # --- the run ------------------------------------------------------------------------------------
