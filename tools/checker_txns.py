@@ -340,6 +340,14 @@ class TxnShards(Piece):
         from 0 that sees each transaction's rows at one time, the same in every shard."""
         ctx = self.ctx
         with reliable_client(ctx.loc) as client:
+            # A last transaction over every shard brings them all to one upper, so the final
+            # cut holds every write.
+            last = TxnSpec(0, dict.fromkeys(self.names, 1), -1)
+            with self.book.lock:
+                self.book.specs[last.txn] = last
+            at = self._commit_until_acked(client, "txns-final", 1, last)
+            with self.book.lock:
+                self.book.acked[last.txn] = at
             plain, keyed = self._readers(client, "txns-verify")
             t = min(h.latest_as_of() for h in [*plain.values(), keyed])
             tables = {m: h.snapshot_table(t) for m, h in plain.items()}
