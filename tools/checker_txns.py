@@ -17,36 +17,26 @@ transaction that upserted it. After the workload a listen of every shard
 from 0 must see each transaction's rows at one time, the same in every
 shard (:meth:`TxnShards.verify`).
 
-Imported by :mod:`.checker` (which lists the piece in its fault menu and
-the sabotage in its own); it imports the checker's shared pieces, so import
-the checker, not this module, first.
+Built from :mod:`.checker`'s fault menu, which imports this module only
+when it builds the piece (this module builds on the checker's shared
+pieces); the piece's sabotage, ``txn_one_by_one``, is in the checker's menu.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import random
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from unittest import mock
 
 import pyarrow as pa
 
 from pyspark_persist.state import DIFF, TIME, PersistClient, ReadHandle
-from pyspark_persist.state.consensus import (
-    CaSCommitted,
-    CaSManyMismatch,
-    CaSManyResult,
-    CaSMismatch,
-    CaSOp,
-)
 from pyspark_persist.state.errors import Determinate, Indeterminate, InvalidUsage
-from pyspark_persist.state.unreliable import UnreliableConsensus
 
-from .checker import Context, Piece, Recorder, Sabotage, reliable_client
+from .checker import Context, Piece, Recorder, reliable_client
 
 TXN_SCHEMA = pa.schema([("txn", pa.int64()), ("row", pa.int64())])
 """A plain member's rows: the transaction id (negative: a plain append's) and a row number."""
@@ -390,36 +380,3 @@ def _listen_all(reader: ReadHandle, upper: int, rec: Recorder) -> Iterator[tuple
                     yield txn, at
     finally:
         listen.close()
-
-
-# --- the sabotage --------------------------------------------------------------------------
-
-
-def _one_by_one(self: UnreliableConsensus, ops: Sequence[CaSOp]) -> CaSManyResult:
-    """compare_and_set_many as single-key compare-and-sets, one participant after another:
-    a race or a fault after the first leaves the transaction in some shards only."""
-    for key, expected, new in ops:
-        res = self.compare_and_set(key, expected, new)
-        if isinstance(res, CaSMismatch):
-            return CaSManyMismatch({key: res.current})
-    return CaSCommitted()
-
-
-@contextlib.contextmanager
-def txn_one_by_one() -> Iterator[None]:
-    """Sabotage: a transaction commits its participants one by one with single-key CAS."""
-    with mock.patch.object(UnreliableConsensus, "compare_and_set_many", _one_by_one):
-        yield
-
-
-TXN_SABOTAGE: dict[str, Sabotage] = {
-    "txn_one_by_one": Sabotage(
-        "a transaction commits its participants one by one with single-key compare-and-sets "
-        "instead of compare_and_set_many: a lost race or fault after the first leaves it in "
-        "some shards only",
-        caught_by=("half a transaction", "refused on resend"),
-        patch=txn_one_by_one,
-        faults=("txns",),
-    ),
-}
-"""The piece's deliberate bugs (added to the checker's menu)."""
