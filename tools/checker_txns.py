@@ -314,7 +314,7 @@ class TxnShards(Piece):
             try:
                 t = min(h.latest_as_of() for h in [*plain.values(), keyed])
                 if rng.random() < 0.3:
-                    t = max(1, t - rng.randint(0, 50))
+                    t = max(0, t - rng.randint(0, 50))
                 tables = {m: h.snapshot_table(t) for m, h in plain.items()}
                 keyed_table = keyed.snapshot_table(t)
             except (Determinate, Indeterminate):
