@@ -112,7 +112,7 @@ def check_cut(
             rows[(txn, row)] += diff
             if txn < 0:
                 plain_seen.add(-txn)
-            if txn >= 0:
+            else:
                 seen[txn][shard] += diff
         out += [
             f"{where}: row {key} in {shard} appears {n} times (applied twice)"
