@@ -294,18 +294,29 @@ class Txn:
         states = {s: m.machine.state() for s, m in members.items()}
         backoff = retry.Backoff(_CONTENTION)
         mismatches = 0
+        fresh = False
         while True:
             now = next(iter(members.values())).machine.clock_ms()
             t = commit_time(states, now)
-            outcome = plan_txn(
-                states,
-                {s: m.share or Share(s) for s, m in members.items()},
-                writer_id=self.writer_id,
-                token=self.token,
-                txn_id=self.txn_id,
-                time=t,
-                now_ms=now,
-            )
+            try:
+                outcome = plan_txn(
+                    states,
+                    {s: m.share or Share(s) for s, m in members.items()},
+                    writer_id=self.writer_id,
+                    token=self.token,
+                    txn_id=self.txn_id,
+                    time=t,
+                    now_ms=now,
+                )
+            except InvalidUsage:
+                if fresh:
+                    raise
+                # The token in some states only may be the cache's doing: a resend after a
+                # lost reply whose commit landed, with some of the cached states older than
+                # it. Read every participant again before refusing.
+                states = {s: m.machine.refetch() for s, m in members.items()}
+                fresh = True
+                continue
             if isinstance(outcome, TxnAlreadyCommitted):
                 return outcome
             if isinstance(outcome, Replan):

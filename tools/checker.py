@@ -93,7 +93,12 @@ all run), each a named :class:`Piece`:
   taken back and forth by two holders (one getting its lost replies as
   Indeterminate), reset (forced) now and then, watched throughout: it moves
   back only by a reset, a fenced holder never moves it, since never passes
-  its hold, and an acknowledged advance is what it holds.
+  its hold, and an acknowledged advance is what it holds;
+- ``txns`` (:class:`~.checker_txns.TxnShards`, in its own module): writers
+  committing transactions over 2-5 of six shards (one keyed), resent with
+  their token after any store error, plain appends to the same shards, and
+  readers taking cuts: every cut shows each transaction in all its shards or
+  none, once, and the keyed shard the newest visible upsert of each key.
 
 The resend, abort and short-grace pieces share :class:`ModelShard`: the
 piece is its shard's one writer, so it knows exactly which writes landed and
@@ -182,6 +187,10 @@ from pyspark_persist.state.blob import Blob, BlobMeta, BlobValue, open_blob
 from pyspark_persist.state.cache import StateCache
 from pyspark_persist.state.consensus import (
     CaSCommitted,
+    CaSManyMismatch,
+    CaSManyResult,
+    CaSMismatch,
+    CaSOp,
     CaSResult,
     Consensus,
     SeqNo,
@@ -262,6 +271,9 @@ LIVE_OPS = (
     "keyed_writes_abandoned",
     "keyed_snapshots",
     "keyed_listen_events",
+    "txns_committed",
+    "txns_plain_appends",
+    "txns_cuts",
 )
 """The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
 after it is :attr:`Report.operations_checked`)."""
@@ -548,6 +560,26 @@ def consumer_fence_ignored() -> Iterator[None]:
         yield
 
 
+def _one_by_one(self: UnreliableConsensus, ops: Sequence[CaSOp]) -> CaSManyResult:
+    """compare_and_set_many as single-key compare-and-sets, one participant after another:
+    a lost race or a fault after the first leaves the transaction in some shards only."""
+    for key, expected, new in ops:
+        res = self.compare_and_set(key, expected, new)
+        if isinstance(res, CaSMismatch):
+            return CaSManyMismatch({key: res.current})
+    return CaSCommitted()
+
+
+@contextlib.contextmanager
+def txn_one_by_one() -> Iterator[None]:
+    """A transaction commits its participants one by one with single-key compare-and-sets, as
+    before ``Consensus.compare_and_set_many`` (the ``txns`` piece must see half of one)."""
+    from unittest import mock
+
+    with mock.patch.object(UnreliableConsensus, "compare_and_set_many", _one_by_one):
+        yield
+
+
 def _lost_replies_reach_caller(config: PersistConfig) -> PersistConfig:
     """The writers' config under ``fresh_tokens``: every lost reply reaches the (buggy) caller."""
     return dataclasses.replace(config, retry_timeout_s=1e-9)
@@ -672,6 +704,14 @@ SABOTAGE: dict[str, Sabotage] = {
         caught_by=("a fenced holder advanced", "moved back", "is not what the consumer holds"),
         patch=consumer_fence_ignored,
         faults=("consumers",),
+    ),
+    "txn_one_by_one": Sabotage(
+        "a transaction commits its participants one by one with single-key compare-and-sets "
+        "instead of compare_and_set_many: a lost race or fault after the first leaves it in "
+        "some shards only",
+        caught_by=("half a transaction", "refused on resend"),
+        patch=txn_one_by_one,
+        faults=("txns",),
     ),
 }
 """Deliberate bugs the checker must detect, by ``--sabotage`` name."""
@@ -857,6 +897,9 @@ class Report:
             + self.ops["keyed_writes_checked"]
             + self.ops["keyed_commits_checked"]
             + self.ops["keyed_snapshots_checked"]
+            + self.ops["txns_commits_checked"]
+            + self.ops["txns_cuts_checked"]
+            + self.ops["txns_listen_events"]
         )
 
     def live_ops(self) -> int:
@@ -3409,6 +3452,14 @@ class Consumers(Piece):
             self._check_since(state, consumer)
 
 
+def txn_shards(ctx: Context) -> Piece:
+    """The ``txns`` piece (:class:`~.checker_txns.TxnShards`). Its module builds on this one,
+    so it is imported here, when the piece is built, not when this module loads."""
+    from pyspark_persist.tools.checker_txns import TxnShards
+
+    return TxnShards(ctx)
+
+
 FAULTS: dict[str, Callable[[Context], Piece]] = {
     "maintenance": Maintainer,
     "slow-writer": SlowWriter,
@@ -3420,6 +3471,7 @@ FAULTS: dict[str, Callable[[Context], Piece]] = {
     "pushes": PushedListen,
     "keyed": KeyedShard,
     "consumers": Consumers,
+    "txns": txn_shards,
 }
 """The fault menu: each entry builds one named piece of the run (``--faults`` picks)."""
 
@@ -3671,7 +3723,8 @@ DESCRIPTION = (
     "must appear exactly once, every snapshot must equal the reference history at its time, "
     "uppers must only advance and no leased read may hit a deleted part; on a keyed shard, "
     "racing upserts and deletes must leave one row per key and the serial application of "
-    "the writes in commit order. The location is a "
+    "the writes in commit order; transactions over several shards must show whole or not at "
+    "all in every cut. The location is a "
     "fresh --backend one, or the one --blob and --consensus name (the check's shard, "
     "check-SEED-..., is left there). Exit status 1 on any violation; --seed replays a run."
 )

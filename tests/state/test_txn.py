@@ -464,3 +464,31 @@ def test_a_sure_failure_after_a_lost_request_is_reported_unknown(
     again.append(b, rows([2]))
     assert again.commit() is not None and not again.already_committed
     assert ids_at(client, a) == [1] and ids_at(client, b) == [2]
+
+
+def test_resend_after_a_lost_reply_reads_stale_cached_states_again(uris: tuple[str, str]) -> None:
+    """A commit's reply is lost (it landed) and the caller resends with the same token while
+    the client's cached state of one participant is fresh and another's is from before the
+    commit: the resend reads them again and learns the first commit's time, instead of
+    refusing the token as spent outside the transaction (the checker's ``txns`` piece found
+    this)."""
+    faults = Faults(seed=1, fail_after=1.0, max_faults=1, ops=frozenset({"compare_and_set_many"}))
+    consensus = Hooked(open_consensus(uris[1]), faults)
+    config = PersistConfig(retry_timeout_s=1e-9, maintenance=False)
+    client = PersistClient(open_blob(uris[0]), consensus, config=config)
+    a, b = names(2)
+    for s in (a, b):
+        client.open_shard(s, SCHEMA)
+    first = client.txn(writer_id="etl", token=4)
+    first.append(a, rows([1]))
+    first.append(b, rows([2]))
+    with pytest.raises(Indeterminate):
+        first.commit()
+    client.open_shard(a).writer().fetch_upper()  # a's cached state now holds the token
+    again = client.txn(writer_id="etl", token=4)
+    again.append(a, rows([1]))
+    again.append(b, rows([2]))
+    time = again.commit()
+    assert again.already_committed and time == client.open_shard(b).upper - 1
+    assert ids_at(client, a) == [1] and ids_at(client, b) == [2]
+    client.close()

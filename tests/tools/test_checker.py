@@ -70,6 +70,21 @@ def test_checker_consumers_piece() -> None:
 
 
 @pytest.mark.slow
+def test_checker_txns_piece() -> None:
+    """The txns piece alone: transactions over 2-5 shards commit under store faults, resends
+    after lost replies are acknowledged once, cuts are read and checked; no violation."""
+    report = checker.run(seed=505, duration_s=3.0, writers=1, backend="mem", faults=["txns"])
+    print(report.render())
+    assert report.ok, report.render()
+    ops = report.ops
+    assert ops["txns_committed"] > 20 and ops["txns_plain_appends"] > 20, report.render()
+    assert ops["txns_commit_errors_Indeterminate"] > 0, report.render()
+    assert ops["txns_resent_and_acked"] > 0, report.render()
+    assert ops["txns_cuts_checked"] > 0 and ops["txns_listen_events"] > 0, report.render()
+    assert ops["txns_commits_checked"] == ops["txns_committed"] + ops["txns_already_committed"]
+
+
+@pytest.mark.slow
 def test_checker_file_sqlite_with_processes(tmp_path: Path) -> None:
     """Threads and spawned writer processes on file/sqlite: no violation."""
     report = checker.run(
