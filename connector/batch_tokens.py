@@ -155,32 +155,58 @@ def micro_batch_offsets(df: DataFrame, batch_id: int) -> list[SourceRange]:
             "exactly_once: called outside a streaming query's micro-batch: pass the wrapped "
             "function to writeStream.foreachBatch(...) and let Spark call it"
         )
-    jvm = context._jvm  # noqa: SLF001 - classic PySpark's gateway
-    assert jvm is not None
-    execution = jvm.org.apache.spark.sql.execution.SQLExecution.getQueryExecution(int(execution_id))
+    execution = _sql_execution(context).getQueryExecution(int(execution_id))
     current = getattr(execution, "currentBatchId", None) if execution is not None else None
     if current is None or int(current()) != batch_id:
         raise InvalidUsage(
             f"exactly_once: Spark runs no micro-batch {batch_id} here (SQL execution "
             f"{execution_id}): call the wrapped function only from writeStream.foreachBatch"
         )
+    # Every JVM call is a py4j round trip (a fraction of a ms, more on a loaded machine), paid
+    # in each micro-batch's latency: a scan relation is a leaf, so the leaves come in one call
+    # (not a walk of the whole plan), and an offset in one (Option.toString: the JSON).
+    leaves = execution.logical().collectLeaves()
     ranges: list[SourceRange] = []
-    todo = [execution.logical()]
-    while todo:
-        node = todo.pop()
+    for i in range(leaves.size()):
+        node = leaves.apply(i)
         if node.nodeName() == SCAN_RELATION:
-            start, end = node.startOffset(), node.endOffset()
             ranges.append(
                 SourceRange(
-                    str(node.relation().table().name()),
-                    start.get().json() if start.isDefined() else None,
-                    end.get().json(),
+                    str(node.relation().name()),
+                    _option_text(str(node.startOffset().toString())),
+                    _required(_option_text(str(node.endOffset().toString())), "end offset"),
                 )
             )
-        children = node.children().iterator()
-        while children.hasNext():
-            todo.append(children.next())
     return ranges
+
+
+def _option_text(text: str) -> str | None:
+    """What a Scala ``Option``'s ``toString`` holds: ``Some(x)`` -> x, ``None`` -> None."""
+    if text == "None":
+        return None
+    if not (text.startswith("Some(") and text.endswith(")")):
+        raise ValueError(f"exactly_once: {text!r} is no Scala Option's text")
+    return text[len("Some(") : -1]
+
+
+def _required(value: str | None, what: str) -> str:
+    if value is None:
+        raise InvalidUsage(f"exactly_once: the micro-batch's plan has no {what}")
+    return value
+
+
+_SQL_EXECUTIONS: dict[int, Any] = {}
+"""``SQLExecution``'s JVM class per gateway: resolving it is one py4j call per package name."""
+
+
+def _sql_execution(context: Any) -> Any:
+    """The JVM's ``org.apache.spark.sql.execution.SQLExecution``, looked up once per gateway."""
+    jvm = context._jvm  # noqa: SLF001 - classic PySpark's gateway
+    assert jvm is not None
+    found = _SQL_EXECUTIONS.get(id(jvm))
+    if found is None:
+        found = _SQL_EXECUTIONS[id(jvm)] = jvm.org.apache.spark.sql.execution.SQLExecution
+    return found
 
 
 def exactly_once(fn: BatchFunction) -> Callable[[DataFrame, int], None]:

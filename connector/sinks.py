@@ -14,9 +14,11 @@ What the rows do to the table (multiset or by key) is decided by the pure
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -31,6 +33,7 @@ from pyspark_persist.pg_changes import (
     pg_type,
     retractions,
 )
+from pyspark_persist.state import DIFF
 from pyspark_persist.state.errors import InvalidUsage, SinkDiverged
 
 if TYPE_CHECKING:
@@ -48,6 +51,12 @@ micro-batch applied, shared by every sink of the database (``target`` names the 
 COPY_ROWS = 65_536
 """Rows encoded per ``COPY`` write: bounds the CSV text held at once."""
 
+STAGE_PREFIX = "persist_stage_"
+"""Staging tables (``stage=True``) are named this and a hash of the target and the token."""
+
+PART = "_persist_part"
+"""The staging table's column naming the Spark partition that staged the row."""
+
 
 def postgres(
     url: str,
@@ -56,6 +65,7 @@ def postgres(
     *,
     create: bool = True,
     tokens_table: str = TOKENS_TABLE,
+    stage: bool = False,
 ) -> PostgresSink:
     """A ``fn(df, token)`` for :func:`pyspark_persist.exactly_once` that applies a persist
     stream's micro-batches to PostgreSQL table ``table`` (``name`` or ``schema.name``).
@@ -72,8 +82,15 @@ def postgres(
     (``postgresql://user@host:5432/db``). The micro-batch is collected to the driver as
     Arrow (so it must fit ``spark.driver.maxResultSize``: bound it with
     ``maxBytesPerTrigger``) and applied in one transaction.
+
+    ``stage=True``: nothing is collected; each partition ``COPY``s its rows from the
+    executor into an UNLOGGED staging table named from the token, and the driver applies
+    the staging table in one transaction with the token, then drops it. For micro-batches
+    too big for the driver (a compacted shard's first micro-batch holds whole batches,
+    which ``maxBytesPerTrigger`` cannot cut). Executors must reach ``url``. A crash leaves
+    the token absent and nothing applied; the replay drops the staging table it finds.
     """
-    return PostgresSink(url, table, tuple(keys) if keys else (), create, tokens_table)
+    return PostgresSink(url, table, tuple(keys) if keys else (), create, tokens_table, stage)
 
 
 class PostgresSink:
@@ -83,7 +100,13 @@ class PostgresSink:
     """
 
     def __init__(
-        self, url: str, table: str, keys: tuple[str, ...], create: bool, tokens_table: str
+        self,
+        url: str,
+        table: str,
+        keys: tuple[str, ...],
+        create: bool,
+        tokens_table: str,
+        stage: bool = False,
     ) -> None:
         """See :func:`postgres`."""
         for name, what in ((table, "table"), (tokens_table, "tokens_table")):
@@ -98,6 +121,7 @@ class PostgresSink:
         self.keys = keys
         self.create = create
         self.tokens_table = tokens_table
+        self.stage = stage
         self._conn: psycopg.Connection | None = None
         self._ready: dict[tuple[str, ...], frozenset[str]] = {}
         """The column lists whose tables were checked (or created): the target's NOT NULL
@@ -109,15 +133,24 @@ class PostgresSink:
         columns = data_columns(df.schema, self.keys, self.table)
         types = self._created_types(df.schema, columns) if self.create else None
         t0 = time.monotonic()
-        updates = df.toArrow()
         conn = self._connection()
-        not_null = self._prepare(conn, columns, types)
-        applied = self._apply(conn, updates, columns, not_null, token)
+        if self.stage:
+            not_null = self._prepare(conn, columns, types)
+            staged = self._stage_batch(conn, df, columns, token)
+            applied = staged is not None and self._commit_staged(
+                conn, staged, columns, not_null, token
+            )
+            count = staged or 0
+        else:
+            updates = df.toArrow()
+            not_null = self._prepare(conn, columns, types)
+            applied = self._apply(conn, updates, columns, not_null, token)
+            count = updates.num_rows
         log.info(
             "sinks.postgres(%s): %s %d updates in %.3f s (token %s)",
             self.table,
             "applied" if applied else "skipped (token already applied)",
-            updates.num_rows,
+            count,
             time.monotonic() - t0,
             token,
         )
@@ -245,6 +278,155 @@ class PostgresSink:
             return True
         return False
 
+    def _stage_batch(
+        self, conn: psycopg.Connection, df: DataFrame, columns: list[str], token: str
+    ) -> int | None:
+        """COPY micro-batch ``df`` from the executors into a fresh staging table (one left
+        by an earlier attempt is dropped); the rows staged, or None (nothing staged) when
+        ``token`` was applied."""
+        from psycopg import sql
+
+        stage = sql.Identifier(stage_name(self.table, token))
+        if self.applied(token):
+            with conn.transaction():
+                conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(stage))
+            return None
+        with conn.transaction():
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(stage))
+            conn.execute(
+                sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(
+                    stage, sql.SQL(", ").join(map(sql.Identifier, columns)), _name(self.table)
+                )
+            )
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint, ADD COLUMN {} integer").format(
+                    stage, sql.Identifier(DIFF), sql.Identifier(PART)
+                )
+            )
+        copy = functools.partial(
+            _copy_partition, self.url, stage_name(self.table, token), [*columns, DIFF]
+        )
+        counts = df.select(*columns, DIFF).mapInArrow(copy, "rows long").collect()
+        return sum(int(r.rows) for r in counts)
+
+    def _commit_staged(
+        self,
+        conn: psycopg.Connection,
+        staged: int,
+        columns: list[str],
+        not_null: frozenset[str],
+        token: str,
+    ) -> bool:
+        """One transaction: record ``token`` (nothing else if it was recorded), apply the
+        staging table's ``staged`` rows, drop it. True when applied."""
+        import psycopg
+        from psycopg import sql
+
+        stage = sql.Identifier(stage_name(self.table, token))
+        cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+        with conn.transaction():
+            recorded = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (target, token) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+                ).format(_name(self.tokens_table)),
+                (self.table, token),
+            )
+            if recorded.rowcount == 0:
+                raise psycopg.Rollback()
+            found = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(stage)).fetchone()
+            if found is None or int(found[0]) != staged:
+                raise RuntimeError(
+                    f"sinks.postgres: staging table {stage_name(self.table, token)} holds "
+                    f"{found} rows, the micro-batch staged {staged}: nothing applied (rolled "
+                    "back); the micro-batch's replay stages it again"
+                )
+            if self.keys:
+                self._apply_staged_keyed(conn, stage, columns)
+            else:
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {t} ({c}) SELECT {c} FROM {s}, generate_series(1, {s}.{d}) "
+                        "WHERE {s}.{d} > 0"
+                    ).format(t=_name(self.table), c=cols, s=stage, d=sql.Identifier(DIFF))
+                )
+                scratch = sql.Identifier("persist_sink_retractions")
+                conn.execute(
+                    sql.SQL(
+                        "CREATE TEMP TABLE {r} ON COMMIT DROP AS SELECT {c}, "
+                        "(-sum({d}))::bigint AS {n} FROM {s} WHERE {d} < 0 GROUP BY {c}"
+                    ).format(
+                        r=scratch, c=cols, d=sql.Identifier(DIFF), n=sql.Identifier(COUNT), s=stage
+                    )
+                )
+                total = conn.execute(
+                    sql.SQL("SELECT coalesce(sum({}), 0) FROM {}").format(
+                        sql.Identifier(COUNT), scratch
+                    )
+                ).fetchone()
+                self._delete_counted(
+                    conn, scratch, columns, not_null, int(total[0]) if total else 0
+                )
+            conn.execute(sql.SQL("DROP TABLE {}").format(stage))
+            return True
+        with conn.transaction():
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(stage))
+        return False
+
+    def _apply_staged_keyed(
+        self, conn: psycopg.Connection, stage: sql.Identifier, columns: list[str]
+    ) -> None:
+        """:func:`keyed_changes` in SQL over the staging table: refuse keys that do not
+        identify the rows, delete every touched key, insert the rows that survive."""
+        from psycopg import sql
+
+        cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+        keys = sql.SQL(", ").join(map(sql.Identifier, self.keys))
+        net = sql.Identifier("persist_sink_net")
+        n = sql.Identifier(COUNT)
+        conn.execute(
+            sql.SQL(
+                "CREATE TEMP TABLE {net} ON COMMIT DROP AS SELECT {c}, sum({d})::bigint AS {n} "
+                "FROM {s} GROUP BY {c} HAVING sum({d}) <> 0"
+            ).format(net=net, c=cols, d=sql.Identifier(DIFF), n=n, s=stage)
+        )
+        low, high = conn.execute(
+            sql.SQL("SELECT coalesce(min({n}), 0), coalesce(max({n}), 0) FROM {net}").format(
+                n=n, net=net
+            )
+        ).fetchone() or (0, 0)
+        if low < -1 or high > 1:
+            raise InvalidUsage(
+                f"sinks.postgres({self.table!r}): with keys {list(self.keys)} a row's net diff "
+                f"in one micro-batch is within [-1, 1], here [{low}, {high}]: the keys do not "
+                "identify the shard's rows (give the shard's key columns, or no keys for a "
+                "table of every row)"
+            )
+        doubled = conn.execute(
+            sql.SQL(
+                "SELECT {k}, count(*) FROM {net} WHERE {n} = 1 GROUP BY {k} HAVING count(*) > 1 "
+                "LIMIT 1"
+            ).format(k=keys, net=net, n=n)
+        ).fetchone()
+        if doubled is not None:
+            raise InvalidUsage(
+                f"sinks.postgres({self.table!r}): key {list(doubled[:-1])} has {doubled[-1]} "
+                f"rows after the micro-batch: the keys {list(self.keys)} do not identify the "
+                "shard's rows (give the shard's key columns, or no keys for a table of every row)"
+            )
+        match = sql.SQL(" AND ").join(
+            sql.SQL("t.{k} = s.{k}").format(k=sql.Identifier(k)) for k in self.keys
+        )
+        conn.execute(
+            sql.SQL("DELETE FROM {} t USING (SELECT DISTINCT {} FROM {}) s WHERE {}").format(
+                _name(self.table), keys, net, match
+            )
+        )
+        conn.execute(
+            sql.SQL("INSERT INTO {t} ({c}) SELECT {c} FROM {net} WHERE {n} = 1").format(
+                t=_name(self.table), c=cols, net=net, n=n
+            )
+        )
+
     def _delete_keys(self, conn: psycopg.Connection, touched: pa.Table) -> None:
         """Delete every row whose key is in ``touched``."""
         from psycopg import sql
@@ -291,6 +473,22 @@ class PostgresSink:
             sql.SQL("ALTER TABLE {} ADD COLUMN {} bigint").format(scratch, sql.Identifier(COUNT))
         )
         _copy(conn, scratch, doomed)
+        self._delete_counted(
+            conn, scratch, columns, not_null, int(pc.sum(doomed.column(COUNT)).as_py())
+        )
+
+    def _delete_counted(
+        self,
+        conn: psycopg.Connection,
+        scratch: sql.Identifier,
+        columns: list[str],
+        not_null: frozenset[str],
+        expected: int,
+    ) -> None:
+        """Delete :data:`COUNT` copies of each row of table ``scratch`` (``expected`` in
+        all); SinkDiverged (rolled back) when the table has fewer."""
+        from psycopg import sql
+
         match = sql.SQL(" AND ").join(
             sql.SQL("t.{c} {op} s.{c}").format(
                 c=sql.Identifier(c),
@@ -306,7 +504,6 @@ class PostgresSink:
                 "FROM {t} t JOIN {s} s ON {match}) m WHERE m.k <= m.n))"
             ).format(t=_name(self.table), s=scratch, n=sql.Identifier(COUNT), match=match)
         ).rowcount
-        expected = int(pc.sum(doomed.column(COUNT)).as_py())
         if deleted != expected:
             raise SinkDiverged(
                 f"sinks.postgres: the micro-batch retracts {expected} rows but table "
@@ -315,6 +512,43 @@ class PostgresSink:
                 "micro-batch was applied; rebuild the table from the shard (a new consumer "
                 "from the snapshot into an empty table)"
             )
+
+
+def stage_name(table: str, token: str) -> str:
+    """The staging table of ``token``'s micro-batch into ``table``: the same on a replay."""
+    digest = hashlib.sha256(f"{table}\0{token}".encode()).hexdigest()[:32]
+    return f"{STAGE_PREFIX}{digest}"
+
+
+def _copy_partition(
+    url: str, stage: str, columns: list[str], batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """On an executor (``mapInArrow``): COPY one partition's rows into ``stage``; yields its
+    row count. One transaction that first deletes what an earlier attempt of the partition
+    staged, under a lock on (stage, partition): a retried or speculative task leaves one
+    attempt's rows."""
+    import psycopg
+    from psycopg import sql
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    assert context is not None, "_copy_partition runs in a Spark task"
+    part = context.partitionId()
+    rows = 0
+    with psycopg.connect(url) as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s), %s)", (stage, part))
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE {} = %s").format(
+                sql.Identifier(stage), sql.Identifier(PART)
+            ),
+            (part,),
+        )
+        for batch in batches:
+            table = pa.Table.from_batches([batch]).select(columns)
+            table = table.append_column(PART, pa.array([part] * table.num_rows, pa.int32()))
+            _copy(conn, sql.Identifier(stage), table)
+            rows += table.num_rows
+    yield pa.RecordBatch.from_pydict({"rows": pa.array([rows], pa.int64())})
 
 
 def _copy(conn: psycopg.Connection, target: sql.Composable, rows: pa.Table) -> None:

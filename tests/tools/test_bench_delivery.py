@@ -40,6 +40,7 @@ def test_bench_delivery_quick_prints_its_ratios(postgres_url: str, tmp_path: Pat
     verdict = r"(ok|MISSED)\)"
     assert re.search(r"sinks\.postgres/jdbc: \d+\.\d+x \(target >= 0\.8x: " + verdict, out), out
     assert re.search(r"postgres/memory p50: \d+\.\d+x \(target <= 1\.3x: " + verdict, out), out
+    assert re.search(r"postgres/collect p50 \d+\.\d+x, collect/memory p50 \d+\.\d+x", out), out
     for phase in ("latestOffset", "walCommit"):
         assert re.search(rf"{phase} .* \(target <= 5 ms: " + verdict, out), out
     rows = re.findall(
@@ -47,7 +48,7 @@ def test_bench_delivery_quick_prints_its_ratios(postgres_url: str, tmp_path: Pat
     )
     assert len(rows) == 2 and rows[0] == rows[1] and int(rows[0]) > 0, out  # every row, both
     samples = re.findall(r"^  persist -> .*?\s(\d+)(?:\s+\d+){3}$", out, re.M)
-    assert len(samples) == 5 and all(int(n) > 0 for n in samples), out
+    assert len(samples) == 7 and all(int(n) > 0 for n in samples), out
     assert ("... delivery: freshness" in proc.stderr) and ("consumer cost" in proc.stderr)
 
 

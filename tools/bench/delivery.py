@@ -24,7 +24,12 @@ beside a peer of the same run:
   reader's micro-batch start, PostgreSQL's when the row is written in its transaction
   (``clock_timestamp()``, the moment before commit: the delivery itself counted, so the
   comparison is on the strict side); the reader's micro-batch start is printed beside.
-  Target: PostgreSQL p50 at most 1.3x the memory pipeline's.
+  Target: PostgreSQL p50 at most 1.3x the memory pipeline's. A third query tails the
+  shard in the same run, the ceiling peer: the same consumer query into a foreachBatch
+  function that only collects the micro-batch (``df.toArrow()``: no token, no
+  PostgreSQL), its rows delivered when that function returns. postgres/collect is what
+  exactly_once and PostgreSQL add; collect/memory what foreachBatch and the collect
+  themselves cost, which no sink collecting to the driver can beat.
 - **consumer cost**: the same persist -> memory query twice at once on the same shard,
   one with ``.option("consumer", ...)``: the median ``latestOffset`` and ``walCommit``
   (where Spark calls the source's ``commit()``, which moves the consumer) from Spark's
@@ -81,10 +86,19 @@ POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 JDBC_JAR = "/usr/share/java/postgresql.jar"
 SINK = "sinks.postgres"
 JDBC = "spark jdbc"
-FRESHNESS = ("memory", "postgres", "memory seen", "postgres seen", "postgres written")
+FRESHNESS = (
+    "memory",
+    "postgres",
+    "collect",
+    "memory seen",
+    "postgres seen",
+    "collect seen",
+    "postgres written",
+)
 """The freshness figures: each pipeline's rows to delivery (the end of the reader's
 ``addBatch``) and to the reader's micro-batch start (``seen``), and PostgreSQL's to their
-write in its transaction (``clock_timestamp()``, a check on the first)."""
+write in its transaction (``clock_timestamp()``, a check on the first). ``collect`` is
+the ceiling peer (foreachBatch collecting with ``df.toArrow()``, nothing else)."""
 COLUMNS = "id bigint, x double precision, s text"
 """The bulk tables' layout, both writers': what each would create from SCHEMA."""
 
@@ -157,6 +171,11 @@ class DeliveryReport(Result):
     (collect, COPY, commit)."""
     freshness_ratio: float = 0.0
     """PostgreSQL's p50 over the memory pipeline's, both to delivery."""
+    over_collect_ratio: float = 0.0
+    """PostgreSQL's p50 over the ceiling peer's (foreachBatch + ``df.toArrow()``)."""
+    collect_ratio: float = 0.0
+    """The ceiling peer's p50 over the memory pipeline's: foreachBatch's and the collect's
+    own cost, beside the target."""
     seen_ratio: float = 0.0
     """The same, both to the reader's micro-batch start (``persist bench spark-freshness``'s
     measure, which leaves the reader's own micro-batch out)."""
@@ -462,7 +481,8 @@ def _freshness(
 def run_freshness(
     spark: Any, opts: DeliveryOptions, workdir: str, tag: str
 ) -> tuple[list[Pipeline], dict[str, float]]:
-    """rate -> persist, tailed at once by a consumer into PostgreSQL and by a memory sink:
+    """rate -> persist, tailed at once by a consumer into PostgreSQL, by a consumer into a
+    foreachBatch function that only collects (the ceiling peer) and by a memory sink:
     FRESHNESS (each pipeline to delivery and to its micro-batch start, and PostgreSQL's
     rows to their write), and the median ms of the foreachBatch function's calls and of
     the sink's in them."""
@@ -482,6 +502,17 @@ def run_freshness(
     sink = sinks.postgres(opts.url, table, create=False)
     batches: list[tuple[float, float]] = []
     writes: list[tuple[float, float]] = []
+    collected: list[tuple[int, int]] = []
+
+    def collect(df: Any, _batch_id: int) -> None:
+        """The ceiling peer: the micro-batch collected as the sink does, nothing else."""
+        rows = df.toArrow()
+        collected.extend(
+            zip(
+                rows.column("stamp_us").to_pylist(), rows.column("seen_us").to_pylist(), strict=True
+            )
+        )
+
     try:
         queries: dict[str, Any] = {}
         try:
@@ -498,6 +529,17 @@ def run_freshness(
                     .start()
                 ),
                 "the persist -> sinks.postgres query",
+            )
+            to_collect = _source(spark, store, shard, f"to-collect-{tag}").select(
+                "value", "stamp_us", F.unix_micros(F.current_timestamp()).alias("seen_us"), "_diff"
+            )
+            queries["collect"] = _start(
+                lambda: (
+                    to_collect.writeStream.foreachBatch(collect)
+                    .option("checkpointLocation", f"{base}/collect-ckpt")
+                    .start()
+                ),
+                "the persist -> foreachBatch(toArrow) query",
             )
             queries["reader"] = _start(
                 lambda: _start_reader(
@@ -530,6 +572,12 @@ def run_freshness(
         postgres = _freshness(
             "postgres", [(r[0], r[1]) for r in in_pg], queries["postgres"], phases["postgres"]
         )
+        ceiling = _freshness(
+            "collect",
+            [(stamp, seen) for stamp, seen in collected if stamp >= int(since * 1e6)],
+            queries["collect"],
+            phases["collect"],
+        )
         written = _pipeline(
             "postgres written", [(r[2] - r[0]) / 1000 for r in in_pg], phases["postgres"]
         )
@@ -537,7 +585,7 @@ def run_freshness(
     finally:
         sink.close()
         _drop_tables(opts.url, [table])
-    return [*memory, *postgres, written], calls
+    return [*memory, *postgres, *ceiling, written], calls
 
 
 def run_consumer_cost(
@@ -605,6 +653,9 @@ def run(options: DeliveryOptions, spark: Any = None) -> DeliveryReport:
         report.pipeline("postgres seen").p50_ms / report.pipeline("memory seen").p50_ms, 3
     )
     report.targets["freshness"] = report.freshness_ratio <= FRESHNESS_TARGET
+    collect = report.pipeline("collect")
+    report.over_collect_ratio = round(postgres.p50_ms / collect.p50_ms, 3)
+    report.collect_ratio = round(collect.p50_ms / memory.p50_ms, 3)
     for phase in CONSUMER_PHASES:
         added = report.consumer_phases["with"].get(phase, 0.0) - report.consumer_phases[
             "without"
@@ -655,6 +706,8 @@ def render(report: DeliveryReport) -> str:
         "postgres": "persist -> consumer -> sinks.postgres (committed)",
         "memory seen": "persist -> memory, reader's micro-batch start",
         "postgres seen": "persist -> postgres, reader's micro-batch start",
+        "collect": "persist -> consumer -> foreachBatch(toArrow)",
+        "collect seen": "persist -> toArrow, reader's micro-batch start",
         "postgres written": "persist -> postgres, row written in its transaction",
     }
     for kind in FRESHNESS:
@@ -667,13 +720,19 @@ def render(report: DeliveryReport) -> str:
         f"<= {FRESHNESS_TARGET}x: {_ok(report.targets['freshness'])}); at the micro-batch "
         f"start {report.seen_ratio:.2f}x"
     )
+    lines.append(
+        f"  ceiling peer (foreachBatch + toArrow only): postgres/collect p50 "
+        f"{report.over_collect_ratio:.2f}x, collect/memory p50 {report.collect_ratio:.2f}x"
+    )
     pg_phases = report.pipeline("postgres").phases_ms["reader"]
     mem_phases = report.pipeline("memory").phases_ms["reader"]
-    lines.append(f"  median ms per phase: {'postgres':>10}{'memory':>8}")
+    collect_phases = report.pipeline("collect").phases_ms["reader"]
+    lines.append(f"  median ms per phase: {'postgres':>10}{'collect':>9}{'memory':>8}")
     for phase in PHASES:
-        if phase in pg_phases or phase in mem_phases:
+        if phase in pg_phases or phase in mem_phases or phase in collect_phases:
             lines.append(
-                f"    {phase:<19}{pg_phases.get(phase, 0):>10.0f}{mem_phases.get(phase, 0):>8.0f}"
+                f"    {phase:<19}{pg_phases.get(phase, 0):>10.0f}"
+                f"{collect_phases.get(phase, 0):>9.0f}{mem_phases.get(phase, 0):>8.0f}"
             )
     calls = report.postgres_calls_ms
     lines.append(
