@@ -103,7 +103,7 @@ def check_cut(
     plain_seen: set[int] = set()
     seen: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for shard, table in plain.items():
-        rows = collections.Counter()
+        rows: collections.Counter[tuple[int, int]] = collections.Counter()
         for txn, row, diff in zip(
             *(table.column(c).to_pylist() for c in ("txn", "row", DIFF)), strict=True
         ):
@@ -349,15 +349,15 @@ class TxnShards(Piece):
             for h in plain.values():
                 for txn, at in _listen_all(h, t + 1, ctx.rec):
                     times[txn].add(at)
-            for txn, at in times.items():
-                if acked.get(txn) is not None and at != {acked[txn]}:
+            for txn, seen_at in times.items():
+                if acked.get(txn) is not None and seen_at != {acked[txn]}:
                     ctx.rec.violation(
-                        f"txns: listens see transaction {txn} at {sorted(at)}, acknowledged at "
-                        f"{acked[txn]}"
+                        f"txns: listens see transaction {txn} at {sorted(seen_at)}, acknowledged "
+                        f"at {acked[txn]}"
                     )
-                elif len(at) > 1:
+                elif len(seen_at) > 1:
                     ctx.rec.violation(
-                        f"txns: listens see transaction {txn} at several times {sorted(at)}"
+                        f"txns: listens see transaction {txn} at several times {sorted(seen_at)}"
                     )
 
 

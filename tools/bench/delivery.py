@@ -600,12 +600,12 @@ def run_consumer_cost(
     try:
         queries["sink"] = _writer_query(spark, store, shard, base, opts.trigger_ms)
         for which, consumer in (("without", None), ("with", f"to-memory-{tag}")):
-            queries[which] = _start(
-                lambda which=which, consumer=consumer: _start_reader(
-                    _source(spark, store, shard, consumer), f"{base}/{which}", f"{which}_{tag}"
-                ),
-                f"the persist -> memory query {which} a consumer",
-            )
+
+            def start_reader(which: str = which, consumer: str | None = consumer) -> Any:
+                source = _source(spark, store, shard, consumer)
+                return _start_reader(source, f"{base}/{which}", f"{which}_{tag}")
+
+            queries[which] = _start(start_reader, f"the persist -> memory query {which} a consumer")
     except BaseException:
         _stop_all(queries)
         raise
