@@ -257,16 +257,9 @@ class PostgresSink:
         updates. True when applied. Recording first also serializes two queries racing
         with one token: the second waits on the first's row, then finds it."""
         import psycopg
-        from psycopg import sql
 
         with conn.transaction():
-            recorded = conn.execute(
-                sql.SQL(
-                    "INSERT INTO {} (target, token) VALUES (%s, %s) ON CONFLICT DO NOTHING"
-                ).format(_name(self.tokens_table)),
-                (self.table, token),
-            )
-            if recorded.rowcount == 0:
+            if not self._record_token(conn, token):
                 raise psycopg.Rollback()
             if self.keys:
                 touched, rows = keyed_changes(updates, columns, self.keys, self.table)
@@ -277,6 +270,19 @@ class PostgresSink:
                 self._delete_rows(conn, retractions(updates, columns), columns, not_null)
             return True
         return False
+
+    def _record_token(self, conn: psycopg.Connection, token: str) -> bool:
+        """Record ``token`` in the transaction open on ``conn``; False when it was recorded
+        before (its micro-batch was applied: the caller rolls back)."""
+        from psycopg import sql
+
+        recorded = conn.execute(
+            sql.SQL("INSERT INTO {} (target, token) VALUES (%s, %s) ON CONFLICT DO NOTHING").format(
+                _name(self.tokens_table)
+            ),
+            (self.table, token),
+        )
+        return recorded.rowcount != 0
 
     def _stage_batch(
         self, conn: psycopg.Connection, df: DataFrame, columns: list[str], token: str
@@ -325,13 +331,7 @@ class PostgresSink:
         stage = sql.Identifier(stage_name(self.table, token))
         cols = sql.SQL(", ").join(map(sql.Identifier, columns))
         with conn.transaction():
-            recorded = conn.execute(
-                sql.SQL(
-                    "INSERT INTO {} (target, token) VALUES (%s, %s) ON CONFLICT DO NOTHING"
-                ).format(_name(self.tokens_table)),
-                (self.table, token),
-            )
-            if recorded.rowcount == 0:
+            if not self._record_token(conn, token):
                 raise psycopg.Rollback()
             found = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(stage)).fetchone()
             if found is None or int(found[0]) != staged:
