@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pyspark_persist.state import (
@@ -39,6 +39,7 @@ Purpose = Literal["read", "stream_read", "read_schema", "write", "stream_write"]
 
 # The settings: each the lower-cased name of its main option, which is how parse() keys them.
 SHARD = "shard"
+SHARDS = "shards"
 BLOB = "blob"
 CONSENSUS = "consensus"
 PUBSUB = "pubsub"
@@ -135,6 +136,19 @@ OPTIONS: tuple[OptionName, ...] = (
             "—",
             "shard name (or the `load()`/`save()`/`start()` path): letters, digits, `_ - .`, at "
             'most 200, e.g. `.load("events")`',
+        ),
+    ),
+    OptionName(
+        "shards",
+        SHARDS,
+        _STREAM_READ,
+        doc=OptionDoc(
+            "—",
+            "instead of `shard`: stream several shards in one source, comma-separated; rows "
+            "carry the shard's name in `_shard`, columns are the union of the shards' "
+            "(nullable), and no micro-batch splits a [transaction](transactions.md) (see "
+            "[Several shards in one stream](spark.md#several-shards-in-one-stream)), e.g. "
+            "`orders,order_items`",
         ),
     ),
     OptionName("path", SHARD, _ALL),  # Spark's, from .load(path) / .save(path) / .start(path)
@@ -554,8 +568,8 @@ PEER_NAMES: tuple[PeerName, ...] = (
     PeerName("minOffsetsPerTrigger", "Kafka", "persist has no minimum: use maxRowsPerTrigger"),
     PeerName("startingOffsetsByTimestamp", "Kafka", "use startingAsOf (a time)", STARTING_AS_OF),
     PeerName("subscribe", "Kafka", "use shard (or .load(name))", SHARD),
-    PeerName("subscribePattern", "Kafka", "a query reads one shard: use shard"),
-    PeerName("assign", "Kafka", "a query reads one shard: use shard"),
+    PeerName("subscribePattern", "Kafka", "name the shards: use shards (a,b,c)", SHARDS),
+    PeerName("assign", "Kafka", "use shard, or shards (a,b,c) for several", SHARDS),
     PeerName("topic", "Kafka", "use shard (or .save(name))", SHARD),
     PeerName(
         "kafka.bootstrap.servers",
@@ -609,6 +623,8 @@ class PersistOptions:
     """Everything ``format("persist")`` was told, validated."""
 
     shard: str
+    """The shard read or written; with ``shards``, their names joined by commas (messages only:
+    each shard's reader takes its own options, :meth:`for_shard`)."""
     blob: str
     consensus: str
     pubsub: str | None = None
@@ -655,6 +671,8 @@ class PersistOptions:
     """The named consumer a stream reads as (``consumer``); None: none."""
     consumer_expiry_ms: int = 0
     """How long the consumer may stay idle before it stops holding data (0: forever)."""
+    shards: tuple[str, ...] | None = None
+    """A stream read of several shards in one source (``shards``); None: of ``shard`` alone."""
     said: Mapping[str, str] = field(default_factory=dict)
     """The option name the user gave each setting by (an alias, or persist's own name)."""
 
@@ -665,6 +683,10 @@ class PersistOptions:
             k in self.said
             for k in (STARTING_POSITION, STARTING_AS_OF, STARTING_TIME, STARTING_SEQNO)
         )
+
+    def for_shard(self, shard: str) -> PersistOptions:
+        """These options for one of the ``shards``: how a stream of several reads each."""
+        return replace(self, shard=shard, shards=None)
 
     def spelled(self, setting: str) -> str:
         """How to name ``setting`` in a message: as the user named it."""
@@ -681,16 +703,18 @@ class PersistOptions:
                 f"persist: a read names one shard, not several paths ({opts[PATHS]}): use "
                 '.load("name") or .option("shard", "name")'
             )
-        name = opts.get(SHARD)
+        shards = _shards(opts, said)
+        name = ",".join(shards) if shards is not None else opts.get(SHARD)
         if not name:
             raise InvalidUsage(
                 'persist: no shard named: use .option("shard", "name") or '
                 '.load("name") / .save("name") / .start("name")'
             )
-        try:
-            validate_shard_name(name)
-        except InvalidUsage as e:
-            raise InvalidUsage(f"persist: option {said[SHARD]}: {e}") from None
+        if shards is None:
+            try:
+                validate_shard_name(name)
+            except InvalidUsage as e:
+                raise InvalidUsage(f"persist: option {said[SHARD]}: {e}") from None
         position = opts.get(STARTING_POSITION, "earliest").lower()
         if position not in ("earliest", "latest"):
             raise InvalidUsage(
@@ -770,6 +794,7 @@ class PersistOptions:
             sequence_column=opts.get(SEQUENCE_COLUMN) or None,
             consumer=_consumer(opts, said),
             consumer_expiry_ms=_consumer_expiry(opts, said),
+            shards=shards,
             said={k: v for k, v in said.items() if k in opts},
         )
 
@@ -803,6 +828,50 @@ def _retention(opts: Mapping[str, str], said: Mapping[str, str]) -> int | None:
         return parse_retention(value, name=f"option {said[RETENTION]}")
     except InvalidUsage as e:
         raise InvalidUsage(f"persist: {e}") from None
+
+
+SHARDS_REFUSES = (CONSUMER, COLUMNS, STARTING_SEQNO, CHANGE_TYPES)
+"""What a stream of several shards does not take, and why (the message names the fix)."""
+
+
+def _shards(opts: Mapping[str, str], said: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The ``shards`` option as distinct shard names, or None if not given; with the options
+    a stream of several shards does not take refused by name."""
+    value = opts.get(SHARDS)
+    if value is None:
+        return None
+    names = tuple(n.strip() for n in value.split(","))
+    if not value.strip() or any(not n for n in names):
+        raise InvalidUsage(
+            f"persist: option {said[SHARDS]}={value!r} names an empty shard: list shard names "
+            "separated by commas, e.g. orders,order_items"
+        )
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidUsage(f"persist: option {said[SHARDS]} names {twice} twice: name each once")
+    for n in names:
+        try:
+            validate_shard_name(n)
+        except InvalidUsage as e:
+            raise InvalidUsage(f"persist: option {said[SHARDS]}: {e}") from None
+    if opts.get(SHARD):
+        raise InvalidUsage(
+            f"persist: {said[SHARD]} and {said[SHARDS]} both name what to read: give shards "
+            f"alone for several shards (the load() path is a shard name too), or shard for one"
+        )
+    why = {
+        CONSUMER: "a consumer is one shard's: read each shard in its own query with a consumer",
+        COLUMNS: "select the columns after reading (the union of the shards' columns is read)",
+        STARTING_SEQNO: "SeqNos are each shard's own: use startingTime, which all shards share",
+        CHANGE_TYPES: "read each shard in its own stream with changeTypes",
+    }
+    for key in SHARDS_REFUSES:
+        if opts.get(key):
+            raise InvalidUsage(
+                f"persist: option {said[key]} does not apply to a stream of several shards "
+                f"({said[SHARDS]}): {why[key]}"
+            )
+    return names
 
 
 def _consumer(opts: Mapping[str, str], said: Mapping[str, str]) -> str | None:

@@ -9,7 +9,7 @@ and with ``changeTypes`` a string ``_change_type`` (see :mod:`.change_types`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
@@ -20,6 +20,8 @@ from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
 
 RESERVED = (TIME, DIFF)
 """The columns every read may return besides the shard's."""
+SHARD_COLUMN = "_shard"
+"""The column a stream of several shards (``shards``) names each row's shard in."""
 
 
 VARIABLE_WIDTH_BYTES = 36
@@ -72,6 +74,72 @@ def read_schema(shard_schema: pa.Schema, change_types: bool = False) -> StructTy
             )
         fields.append(StructField(CHANGE_TYPE, StringType(), False))
     return StructType(fields)
+
+
+def union_read_schema(shard_schemas: Mapping[str, pa.Schema]) -> StructType:
+    """The Spark schema of a stream of several shards: every column of any of them, in the
+    order first met (shards in the order named), all nullable (a row of one shard is null in
+    another's columns), then ``_shard``, ``_time`` and ``_diff``.
+
+    A column two shards hold with different types has no one type to read it as: refused,
+    naming both, before anything runs.
+    """
+    fields: dict[str, StructField] = {}
+    owner: dict[str, str] = {}
+    for shard, schema in shard_schemas.items():
+        if SHARD_COLUMN in schema.names:
+            raise InvalidUsage(
+                f"persist: shard {shard!r} has a column named {SHARD_COLUMN}, which a stream of "
+                "several shards adds: read it alone (option shard)"
+            )
+        for f in from_arrow_schema(schema).fields:
+            seen = fields.get(f.name)
+            if seen is None:
+                fields[f.name] = StructField(f.name, f.dataType, True)
+                owner[f.name] = shard
+            elif seen.dataType != f.dataType:
+                raise SchemaMismatch(
+                    f"persist: column {f.name!r} is {seen.dataType.simpleString()} in shard "
+                    f"{owner[f.name]!r} but {f.dataType.simpleString()} in shard {shard!r}, so "
+                    "a stream of both has no one type for it: read them in two streams and "
+                    "cast before a union"
+                )
+    return StructType(
+        [
+            *fields.values(),
+            StructField(SHARD_COLUMN, StringType(), False),
+            StructField(TIME, LongType(), False),
+            StructField(DIFF, LongType(), False),
+        ]
+    )
+
+
+def check_union_schema(given: StructType, union: StructType) -> None:
+    """A ``.schema(...)`` given to a stream of several shards must name columns of the union
+    (:func:`union_read_schema`) with its types and ``_shard``: checked on the driver."""
+    if SHARD_COLUMN not in given.fieldNames():
+        raise InvalidUsage(
+            f"persist: a stream of several shards tags each row with {SHARD_COLUMN}: add "
+            f"{SHARD_COLUMN} STRING to the schema given to .schema(...), or drop the schema"
+        )
+    known = {f.name: f for f in union.fields}
+    for f in given.fields:
+        have = known.get(f.name)
+        if have is None:
+            raise SchemaMismatch(
+                f"persist: none of the shards has a column {f.name!r}: the columns are "
+                f"{', '.join(known)}"
+            )
+        if have.dataType != f.dataType:
+            raise SchemaMismatch(
+                f"persist: column {f.name!r} is {have.dataType.simpleString()}, but the schema "
+                f"says {f.dataType.simpleString()}: declare it as {have.dataType.simpleString()}"
+            )
+        if have.nullable and not f.nullable:
+            raise SchemaMismatch(
+                f"persist: column {f.name!r} is null in the rows of shards without it: declare "
+                "it nullable"
+            )
 
 
 def check_change_columns(schema: StructType, keys: Sequence[str], shard: str) -> None:

@@ -12,14 +12,13 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from pyspark.sql.datasource import DataSource, DataSourceReader
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader
 from pyspark.sql.types import StructType
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.state import Blob, PersistClient, Shard, open_blob
 
 if TYPE_CHECKING:
-    from pyspark_persist.stream_reader import PersistStreamReader
     from pyspark_persist.writer import PersistBatchWriter, PersistStreamWriter
 
 REFREEZE_OBJECTS = 5_000
@@ -123,6 +122,17 @@ def blob_for(uri: str) -> Blob:
         return blob
 
 
+def _union_schema(opts: PersistOptions) -> StructType:
+    """The schema of a stream of the shards ``opts.shards`` (each must exist)."""
+    from pyspark_persist.schema import union_read_schema
+
+    client = client_for(opts, pubsub=False)
+    assert opts.shards is not None
+    return union_read_schema(
+        {name: client.open_shard(name, create=False).schema for name in opts.shards}
+    )
+
+
 class PersistDataSource(DataSource):
     """``spark.read/readStream/write/writeStream.format("persist")`` (docs/spark-options.md)."""
 
@@ -144,6 +154,8 @@ class PersistDataSource(DataSource):
             return HISTORY_SCHEMA
         # Spark asks once, in a planner worker on the driver: one Consensus read, and no
         # PubSub connection (with pubsub=auto that worker could even end up serving it).
+        if opts.shards is not None:
+            return _union_schema(opts)
         shard = client_for(opts, pubsub=False).open_shard(opts.shard, create=False)
         columns = shard.schema
         if opts.columns is not None:
@@ -166,12 +178,19 @@ class PersistDataSource(DataSource):
         check_change_type_column(schema, opts.change_types)
         return make_batch_reader(opts, schema)
 
-    def streamReader(self, schema: StructType) -> PersistStreamReader:
-        """A streaming reader: the snapshot, then every change, with leases held by the driver."""
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        """A streaming reader: the snapshot, then every change, with leases held by the driver
+        (of several shards with ``shards``: :mod:`pyspark_persist.multi_stream_reader`)."""
         from pyspark_persist.schema import check_change_type_column
         from pyspark_persist.stream_reader import PersistStreamReader
 
         opts = PersistOptions.parse(self.options, "stream_read")
+        if opts.shards is not None:
+            from pyspark_persist.multi_stream_reader import MultiShardStreamReader
+            from pyspark_persist.schema import check_union_schema
+
+            check_union_schema(schema, _union_schema(opts))
+            return MultiShardStreamReader(opts, schema)
         check_change_type_column(schema, opts.change_types)
         return PersistStreamReader(opts, schema)
 

@@ -113,10 +113,13 @@ class PersistInputPartition(InputPartition):
         blob_uri: str,
         parts: Sequence[LeasedPart],
         change_keys: tuple[str, ...] | None = None,
+        shard: str = "",
     ) -> None:
         """``change_keys``: with changeTypes, the keys to pair updates by (``()``: unkeyed,
-        label by sign); None without."""
+        label by sign); None without. ``shard``: whose parts they are (a stream of several
+        shards tags their rows with it)."""
         super().__init__(None)
+        self.shard = shard
         self.blob_uri = blob_uri
         self.parts = tuple(json.dumps(p.to_json()) for p in parts)
         self.change_keys = change_keys
@@ -372,7 +375,12 @@ class LeaseHolder:
                 self.consumer.position,
             )
             return resumed
-        state, starting = self._starting(self.current_state())
+        return self.initial_offset_at(self.current_state())
+
+    def initial_offset_at(self, state: ShardState) -> Offset:
+        """Where a query with no checkpoint starts, as the starting options say, from
+        ``state`` (a stream of several shards reads their states at one instant)."""
+        state, starting = self._starting(state)
         return self._settle(
             offsets.initial_offset(state, starting, self._opts.fail_on_data_loss)
         ).offset
@@ -407,13 +415,19 @@ class LeaseHolder:
         began = time.perf_counter()
         self._waited_ms = 0.0
         end = self._latest_offset(start, limit)
-        if end != start:
-            self._last_end = end
-            with self._lock:
-                figures = self._figures.setdefault(end.upper, {})
-                figures["latest_offset_ms"] = round((time.perf_counter() - began) * 1000, 3)
-                figures["waited_ms"] = round(self._waited_ms, 3)
+        self.note_latest(start, end, began)
         return end
+
+    def note_latest(self, start: Offset, end: Offset, began: float) -> None:
+        """Record the end ``latestOffset`` answered (begun at ``perf_counter()`` ``began``):
+        its figures, for the metrics line of the micro-batch, and what ``behind`` counts from."""
+        if end == start:
+            return
+        self._last_end = end
+        with self._lock:
+            figures = self._figures.setdefault(end.upper, {})
+            figures["latest_offset_ms"] = round((time.perf_counter() - began) * 1000, 3)
+            figures["waited_ms"] = round(self._waited_ms, 3)
 
     def _wait_for_commit(self, state: ShardState, upper: int) -> ShardState:
         """With nothing past ``upper``, wait up to COMMIT_WAIT_S for PubSub to bring a commit.
@@ -471,11 +485,11 @@ class LeaseHolder:
             state = self._wait_for_commit(state, start.upper)
         self.check_schema(state)
         if self.consumer is None:
-            return offsets.next_offset(state, start, _read_limits(limit), self.available_now_upper)
+            return offsets.next_offset(state, start, read_limits(limit), self.available_now_upper)
         planned = self.consumer.current(state).planned
         end = offsets.replayed_end(planned, start, self._opts.shard)
         if end is None:
-            end = offsets.next_offset(state, start, _read_limits(limit), self.available_now_upper)
+            end = offsets.next_offset(state, start, read_limits(limit), self.available_now_upper)
             if end != start:
                 self.consumer.planned(start, end)
         return end
@@ -527,7 +541,7 @@ class LeaseHolder:
         keys = pairing_keys(state.keys, splits) if self._opts.change_types else None
         if keys:  # a task pairs the updates of a key at a time: it must read all of them
             splits = tuple(colocate_times(splits))
-        return [PersistInputPartition(blob_uri, s, keys) for s in splits]
+        return [PersistInputPartition(blob_uri, s, keys, self._opts.shard) for s in splits]
 
     def _split_limits(self) -> ReadLimits:
         """Split by splitSizeBytes of what the query reads of each part (its share for a
@@ -621,7 +635,7 @@ class LeaseHolder:
         return decided
 
 
-def _read_limits(limit: ReadLimit) -> ReadLimits:
+def read_limits(limit: ReadLimit) -> ReadLimits:
     """Spark's read limit as persist's caps (whole batches, see
     :func:`~pyspark_persist.state.planning.limited_upper`)."""
     if isinstance(limit, ReadMaxBytes):

@@ -103,6 +103,85 @@ def test_each_micro_batch_lands_in_both_shards_whole_and_once(
     client.close()
 
 
+def test_a_stream_of_both_shards_gets_each_transaction_in_one_micro_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """One query writes a transaction per micro-batch into two shards; another streams both
+    shards in one source (option ``shards``) beside it: each transaction's rows, in both
+    shards, arrive in one of the reader's micro-batches, once, tagged with their shard."""
+    location = {"blob": f"file://{tmp_path}/blob", "consensus": f"sqlite:///{tmp_path}/c.db"}
+    orders, items = (f"{n}-{uuid.uuid4().hex[:8]}" for n in ("orders", "items"))
+
+    def load(df: DataFrame, batch_id: int) -> None:
+        df = df.withColumn("batch", F.lit(batch_id))
+        with pyspark_persist.txn(
+            df.sparkSession, writerId="w", txnVersion=batch_id, **location
+        ) as t:
+            t.append(df.filter("kind = 'order'").select("id", "batch"), orders)
+            t.append(df.filter("kind = 'item'").select("id", "batch", "kind"), items)
+
+    feed = (
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", 200)
+        .load()
+        .select(
+            F.col("value").alias("id"),
+            F.when(F.col("value") % 3 == 0, "order").otherwise("item").alias("kind"),
+        )
+    )
+    writer = (
+        feed.writeStream.foreachBatch(load)
+        .option("checkpointLocation", str(tmp_path / "wck"))
+        .trigger(processingTime="300 milliseconds")
+        .start()
+    )
+    client = PersistClient.open(location["blob"], location["consensus"])
+    seen: list[tuple[int, str, int, int]] = []  # (reader batch, shard, writer batch, rows)
+
+    def collect(df: DataFrame, batch_id: int) -> None:
+        counts = df.groupBy("_shard", "batch").count().collect()
+        seen.extend((batch_id, r["_shard"], r["batch"], r["count"]) for r in counts)
+
+    deadline = time.monotonic() + 120
+    reader = None
+    try:
+        while len(client.list_shards()) < 2:  # both shards exist after the first transaction
+            assert writer.exception() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        both = spark.readStream.format("persist").option("shards", f"{orders},{items}")
+        stream = both.options(**location).load()
+        assert stream.columns == ["id", "batch", "kind", "_shard", "_time", "_diff"]
+        reader = (
+            stream.writeStream.foreachBatch(collect)
+            .option("checkpointLocation", str(tmp_path / "rck"))
+            .start()
+        )
+        while writer.lastProgress is None or writer.lastProgress["batchId"] < 5:
+            assert writer.exception() is None and reader.exception() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        writer.stop()
+        reader.processAllAvailable()
+    finally:
+        writer.stop()
+        if reader is not None:
+            reader.stop()
+
+    final = client.open_shard(orders).state().upper - 1
+    total = _batches(client, orders, final) + _batches(client, items, final)
+    arrived: dict[int, set[int]] = {}
+    rows: Counter[int] = Counter()
+    for reader_batch, shard, batch, count in seen:
+        assert shard in (orders, items)
+        arrived.setdefault(batch, set()).add(reader_batch)
+        rows[batch] += count
+    assert rows == total  # every row once
+    split = {b: sorted(r) for b, r in arrived.items() if len(r) > 1}
+    assert not split, f"transactions split across micro-batches: {split}"
+    assert len({r for r, *_ in seen}) > 1  # the reader ran beside the writer
+    client.close()
+
+
 def test_failures_leave_every_shard_as_it_was(spark: SparkSession, tmp_path: Path) -> None:
     location = {"blob": f"file://{tmp_path}/blob", "consensus": f"sqlite:///{tmp_path}/c.db"}
     plain, keyed = (f"{n}-{uuid.uuid4().hex[:8]}" for n in ("plain", "keyed"))
