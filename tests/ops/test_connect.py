@@ -74,3 +74,5 @@ def test_batch_and_streaming_through_spark_connect(
         "connect-odd": list(range(1, ROWS, 2)),
     }
     assert txn["replay_applied"] is False
+    # Both shards streamed in one source (option shards) over Connect: every row, tagged.
+    assert txn["streamed"] == txn["ids"]

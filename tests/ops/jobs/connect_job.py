@@ -7,9 +7,9 @@ so ``format("persist")`` runs in that server's Python workers. It writes a
 shard in batch and reads it back, then tails it with a streaming query into
 a second shard and reads that, then splits it into two shards with a
 ``foreachBatch`` transaction per micro-batch (``pyspark_persist.txn``, whose
-function Connect runs in a server-side Python worker) and replays its
-micro-batch 0 from the client, and writes what it saw to OUT (JSON) for the
-test to check.
+function Connect runs in a server-side Python worker), replays its
+micro-batch 0 from the client, streams both shards in one source (option
+``shards``), and writes what it saw to OUT (JSON) for the test to check.
 """
 
 from __future__ import annotations
@@ -103,7 +103,27 @@ def split_in_transactions(spark: SparkSession, workdir: str) -> dict[str, Any]:
         name: sorted(r.id for r in spark.read.format("persist").load(name).select("id").collect())
         for name in ("connect-even", "connect-odd")
     }
-    return {"history": history, "ids": ids, "replay_applied": not replay.already_committed}
+    both = (
+        spark.readStream.format("persist")
+        .option("shards", "connect-even,connect-odd")
+        .load()
+        .writeStream.format("memory")
+        .queryName("connect_both")
+        .option("checkpointLocation", os.path.join(workdir, "shards-checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    if not both.awaitTermination(300):
+        raise SystemExit("the stream of both shards did not finish its availableNow run in 300 s")
+    streamed: dict[str, list[int]] = {}
+    for r in spark.sql("SELECT _shard, id FROM connect_both").collect():
+        streamed.setdefault(r["_shard"], []).append(r["id"])
+    return {
+        "history": history,
+        "ids": ids,
+        "streamed": {name: sorted(v) for name, v in streamed.items()},
+        "replay_applied": not replay.already_committed,
+    }
 
 
 if __name__ == "__main__":
