@@ -334,6 +334,11 @@ def render(r: TxnResult) -> str:
         )
     f = r.freshness
     if f is None:
+        if r.location == "mem/mem":
+            lines.append(
+                "freshness through PubSub: not timed on mem/mem (no other process can reach "
+                "it: use --location file/sqlite)"
+            )
         return "\n".join(lines)
 
     def row(label: str, t: Timing) -> str:
