@@ -22,9 +22,9 @@ to the reader's, with no Consensus read behind it.
 
 from __future__ import annotations
 
+import random
 import shutil
 import statistics
-import random
 import sys
 import tempfile
 import threading
