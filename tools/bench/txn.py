@@ -78,7 +78,7 @@ class TxnOptions(Options):
     )
     postgres_url: str = flag(POSTGRES_URL, "PostgreSQL consensus URL (for file/postgres)")
     fresh_commits: int = flag(
-        150, "freshness: commits of each kind a PubSub reader times (0: skip it)", quick=30
+        100, "freshness: commits of each kind a PubSub reader times (0: skip it)", quick=30
     )
     seed: int = flag(7, "seed of the freshness section's random pauses")
 
