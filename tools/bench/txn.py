@@ -257,9 +257,10 @@ def measure_freshness(uris: tuple[str, str], commits: int, seed: int) -> Freshne
             plain_writer.append(row)
 
         def txn(row: pa.Table) -> None:
+            # The shard read last: its commit is announced after the other participant's.
             with writer.txn() as t:
-                t.append(data, row)
                 t.append(other, row)
+                t.append(data, row)
 
         def row(i: int) -> pa.Table:
             return pa.table({"id": [i], "name": ["one row"]}, schema=SCHEMA)
