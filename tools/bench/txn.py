@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -271,8 +272,7 @@ def measure_freshness(uris: tuple[str, str], commits: int, seed: int) -> Freshne
             commit(row(-1))  # a listen starts from a complete time
             wait_healthy(writer, name, server.address)
             following[kind] = Follower(
-                reader.open_shard(name),
-                lambda name=name: wait_healthy(reader, name, server.address),
+                reader.open_shard(name), partial(wait_healthy, reader, name, server.address)
             )
             followers.append(following[kind])
         echo_state = writer.machine(echo).state()
@@ -333,37 +333,39 @@ def render(r: TxnResult) -> str:
             f"  txn over {n:>2} shards      p50 {t.p50_ms:6.2f} ms  p95 {t.p95_ms:6.2f} ms  "
             f"{ratio_text(ratio, target or 0.0)} the append{verdict}"
         )
-    f = r.freshness
-    if f is None:
-        if r.location == "mem/mem":
-            lines.append(
-                "freshness through PubSub: not timed on mem/mem (no other process can reach "
-                "it: use --location file/sqlite)"
-            )
-        return "\n".join(lines)
-
-    def row(label: str, t: Timing) -> str:
-        return (
-            f"  {label:<40} p50 {t.p50_ms:6.2f} ms  p95 {t.p95_ms:6.2f} ms  max {t.max_ms:7.2f} ms"
+    if r.freshness is not None:
+        lines += ["", *_render_freshness(r.location, r.freshness)]
+    elif r.location == "mem/mem":
+        lines.append(
+            "freshness through PubSub: not timed on mem/mem (no other process can reach "
+            "it: use --location file/sqlite)"
         )
+    return "\n".join(lines)
 
-    def verdict(ratio: float) -> str:
-        met = "ok" if ratio <= FRESH_TARGET else "missed"
-        return f"{ratio_text(ratio, FRESH_TARGET)} (target <= {FRESH_TARGET:g}x: {met})"
 
-    lines += [
-        "",
-        f"freshness through PubSub on {r.location} (gRPC on loopback; writer and reader in "
+def _fresh_row(label: str, t: Timing) -> str:
+    return f"  {label:<40} p50 {t.p50_ms:6.2f} ms  p95 {t.p95_ms:6.2f} ms  max {t.max_ms:7.2f} ms"
+
+
+def _fresh_verdict(ratio: float) -> str:
+    met = "ok" if ratio <= FRESH_TARGET else "missed"
+    return f"{ratio_text(ratio, FRESH_TARGET)} (target <= {FRESH_TARGET:g}x: {met})"
+
+
+def _render_freshness(location: str, f: Freshness) -> list[str]:
+    """The freshness section: each kind's figures, then txn/plain against the 1.2x target."""
+    lines = [
+        f"freshness through PubSub on {location} (gRPC on loopback; writer and reader in "
         f"separate clients), {len(f.plain.seconds)} rows of each kind, interleaved",
         "  commit returned -> reader holds the row",
-        row("plain shard, one-row appends", f.plain),
-        row("txn shard, one-row 2-shard transactions", f.txn),
-        row("ceiling: PubSub round trip alone", f.round_trip),
-        f"  txn/plain  p50 {verdict(f.ratio_p50)}  p95 {verdict(f.ratio_p95)}",
+        _fresh_row("plain shard, one-row appends", f.plain),
+        _fresh_row("txn shard, one-row 2-shard transactions", f.txn),
+        _fresh_row("ceiling: PubSub round trip alone", f.round_trip),
+        f"  txn/plain  p50 {_fresh_verdict(f.ratio_p50)}  p95 {_fresh_verdict(f.ratio_p95)}",
     ]
     if f.missed:
         lines.append(f"  {f.missed} rows not seen within {SEEN_TIMEOUT_S:g} s (left out above)")
-    return "\n".join(lines)
+    return lines
 
 
 BENCHMARK = Benchmark("txn", TxnOptions, run, render, __doc__)
