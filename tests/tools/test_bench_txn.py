@@ -69,3 +69,12 @@ def test_bench_txn_freshness_skipped_on_mem() -> None:
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "freshness through PubSub: not timed on mem/mem" in proc.stdout
+
+
+def test_bench_txn_refuses_negative_fresh_commits_before_running() -> None:
+    """A negative count is named with what it takes, before any commit is timed."""
+    cmd = [sys.executable, "-m", "pyspark_persist.tools.cli", "bench", "txn", "--fresh-commits"]
+    proc = subprocess.run([*cmd, "-1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--fresh-commits must be 0 (no freshness section) or more" in proc.stderr
+    assert "untimed commits" not in proc.stderr

@@ -83,6 +83,11 @@ class TxnOptions(Options):
     )
     seed: int = flag(7, "seed of the freshness section's random pauses")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fresh_commits < 0:
+            raise ValueError("--fresh-commits must be 0 (no freshness section) or more")
+
     @property
     def sizes(self) -> list[int]:
         """``shards`` as numbers."""
@@ -302,6 +307,12 @@ def measure_freshness(uris: tuple[str, str], commits: int, seed: int) -> Freshne
                     missed += kind != "push"
                     continue
                 seen[kind].append(arrived - sent)
+        for kind, times in seen.items():
+            if not times:
+                raise RuntimeError(
+                    f"freshness: the reader saw none of {commits} {kind} commits within "
+                    f"{SEEN_TIMEOUT_S:g} s each: is PubSub or the listen broken?"
+                )
         return Freshness(
             Timing("plain", seen["plain"]),
             Timing("txn", seen["txn"]),
