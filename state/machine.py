@@ -363,12 +363,23 @@ class Machine:
 
     def install(self, before: ShardState, after: ShardState, row: VersionedData) -> None:
         """Make a commit of this process known: ``row`` took the shard from ``before`` to
-        ``after``. Into the shared cache (waking listeners), pushed to PubSub, a rollup when
-        due, and maintenance told; what :meth:`run` does after each commit, and a transaction
-        across shards (:mod:`.txn_commit`) after its one compare-and-set of several shards."""
+        ``after``. :meth:`announce` it, then :meth:`follow_up`; what :meth:`run` does after
+        each commit."""
+        self.announce(after, row)
+        self.follow_up(before, after)
+
+    def announce(self, after: ShardState, row: VersionedData) -> None:
+        """Tell readers of a commit (``row``, taking the shard to ``after``): into the shared
+        cache (waking listeners) and pushed to PubSub. A transaction across shards
+        (:mod:`.txn_commit`) announces every participant before any :meth:`follow_up`, so a
+        reader of its last shard does not wait on the others' rollups."""
         self.metrics.incr(Count.COMMITS)
         self.shared.update(remember_head(after, row))
         self.publisher.push(self.shard_id, row.seqno)
+
+    def follow_up(self, before: ShardState, after: ShardState) -> None:
+        """The work a commit from ``before`` to ``after`` leaves once announced: a rollup when
+        due, and maintenance told."""
         self._maybe_rollup(after)
         if self.on_commit is not None:
             self.on_commit(self, after, before)

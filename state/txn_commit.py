@@ -345,9 +345,13 @@ class Txn:
                 states = {s: m.machine.refetch() for s, m in members.items()}
                 continue
             if isinstance(res, CaSCommitted):
+                # Every participant announced (readers woken, PubSub pushed) before any
+                # rollup or maintenance: a reader of the last shard waits on none of them.
+                afters = {s: states[s].apply(outcome.diffs[s]) for s in members}
                 for s, m in members.items():
-                    after = states[s].apply(outcome.diffs[s])
-                    m.machine.install(states[s], after, rows[s])
+                    m.machine.announce(afters[s], rows[s])
+                for s, m in members.items():
+                    m.machine.follow_up(states[s], afters[s])
                 return outcome
             mismatches += 1
             if mismatches > 2:

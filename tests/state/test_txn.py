@@ -34,6 +34,7 @@ from pyspark_persist.state.errors import (
     ShardDropped,
     StoreUnavailable,
 )
+from pyspark_persist.state.machine import NoopPublisher
 from pyspark_persist.state.unreliable import Faults, UnreliableConsensus
 
 SCHEMA = pa.schema([("id", pa.int64()), ("v", pa.string())])
@@ -492,3 +493,41 @@ def test_resend_after_a_lost_reply_reads_stale_cached_states_again(uris: tuple[s
     assert again.already_committed and time == client.open_shard(b).upper - 1
     assert ids_at(client, a) == [1] and ids_at(client, b) == [2]
     client.close()
+
+
+class RecordingPublisher(NoopPublisher):
+    """A publisher that notes each push, in order, in a shared event list."""
+
+    def __init__(self, events: list[tuple[str, str]]) -> None:
+        self.events = events
+
+    def push(self, shard_id: str, seqno: int) -> None:
+        self.events.append(("push", shard_id))
+
+
+def test_every_shard_is_announced_before_any_rollup_or_maintenance(uris: tuple[str, str]) -> None:
+    """A reader of the transaction's last shard hears of the commit (its PubSub push) before
+    the first shard's follow-up work (a due rollup, telling maintenance) runs, so it never
+    waits on that work."""
+    events: list[tuple[str, str]] = []
+    client = PersistClient(
+        open_blob(uris[0]),
+        open_consensus(uris[1]),
+        config=SMALL_INLINE,
+        publisher=RecordingPublisher(events),
+    )
+    try:
+        a, b = names(2)
+        for shard in (a, b):
+            client.open_shard(shard, SCHEMA).writer().append(rows([0]))
+            client.machine(shard).on_commit = lambda m, after, before: events.append(
+                ("follow-up", m.shard_id)
+            )
+        events.clear()
+        with client.txn() as t:
+            t.append(a, rows([1]))
+            t.append(b, rows([2]))
+        assert events == [("push", a), ("push", b), ("follow-up", a), ("follow-up", b)]
+        assert ids_at(client, b) == [0, 2]
+    finally:
+        client.close()

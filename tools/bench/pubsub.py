@@ -152,7 +152,10 @@ class Report(Result):
         }
 
 
-def _client(uris: tuple[str, str], spec: str | None) -> PersistClient:
+def pubsub_client(uris: tuple[str, str], spec: str | None) -> PersistClient:
+    """A client of ``uris`` as another process would hold it: a state cache of its own and
+    its own publisher (``spec``, as :func:`pyspark_persist.pubsub.connect` takes it); no
+    maintenance, so only the write and its push are timed."""
     cfg = PersistConfig(maintenance=False)
     return PersistClient(
         open_blob(uris[0]),
@@ -163,14 +166,17 @@ def _client(uris: tuple[str, str], spec: str | None) -> PersistClient:
     )
 
 
-def _close(client: PersistClient) -> None:
+def close_client(client: PersistClient) -> None:
+    """Close a :func:`pubsub_client` and its publisher."""
     client.close()
     close = getattr(client.publisher, "close", None)
     if callable(close):
         close()
 
 
-def _wait_healthy(client: PersistClient, shard: str, spec: str | None) -> None:
+def wait_healthy(client: PersistClient, shard: str, spec: str | None) -> None:
+    """Wait (up to 10 s) until ``client``'s publisher delivers pushes of ``shard``, so that
+    nothing timed waits on PubSub connecting; at once when PubSub is off (``spec`` None)."""
     if spec is None:
         return
     shared = client.machine(shard).shared
@@ -188,27 +194,27 @@ def measure_latency(
 ) -> tuple[Sequence[float], Sequence[float], int]:
     """(commit->listen seconds, write->listen seconds, missed) for one mode: writer and
     listener in separate clients, each with its own publisher (``spec``)."""
-    wc, lc = _client(uris, spec), _client(uris, spec)
+    wc, lc = pubsub_client(uris, spec), pubsub_client(uris, spec)
 
     def settle(name: str) -> None:
-        _wait_healthy(lc, name, spec)
-        _wait_healthy(wc, name, spec)
+        wait_healthy(lc, name, spec)
+        wait_healthy(wc, name, spec)
 
     try:
         seen = probe_listen(wc, lc, SCHEMA, _row, samples, gap_ms, seed=seed, settle=settle)
     finally:
-        _close(wc)
-        _close(lc)
+        close_client(wc)
+        close_client(lc)
     return seen.commit_s, seen.write_s, seen.missed
 
 
 def measure_idle(uris: tuple[str, str], spec: str | None, seconds: float) -> float:
     """Consensus reads per second made by IDLE_LISTENERS listeners waiting on a quiet shard."""
     name = f"bench-idle-{uuid.uuid4().hex[:10]}"
-    setup = _client(uris, None)
+    setup = pubsub_client(uris, None)
     setup.open_shard(name, SCHEMA).writer().append(pa.table({"id": [0]}, schema=SCHEMA))
-    _close(setup)
-    clients = [_client(uris, spec) for _ in range(IDLE_LISTENERS)]
+    close_client(setup)
+    clients = [pubsub_client(uris, spec) for _ in range(IDLE_LISTENERS)]
     stop = threading.Event()
     threads = []
     try:
@@ -216,7 +222,7 @@ def measure_idle(uris: tuple[str, str], spec: str | None, seconds: float) -> flo
             shard = c.open_shard(name)
             reader = shard.reader()
             listen = reader.listen(reader.latest_as_of())
-            _wait_healthy(c, name, spec)
+            wait_healthy(c, name, spec)
 
             def loop(listen: Any = listen) -> None:
                 while not stop.is_set():
@@ -236,7 +242,7 @@ def measure_idle(uris: tuple[str, str], spec: str | None, seconds: float) -> flo
         for t in threads:
             t.join(timeout=5)
         for c in clients:
-            _close(c)
+            close_client(c)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
