@@ -274,9 +274,13 @@ LIVE_OPS = (
     "txns_committed",
     "txns_plain_appends",
     "txns_cuts",
+    "txns_listen_events",
 )
-"""The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
-after it is :attr:`Report.operations_checked`)."""
+"""The operations ``--ops`` and ``--progress`` count while a run goes, the report's
+"operations done": every write, commit or append acknowledged (or abandoned), every snapshot
+or cut read and every listen event read. What was verified is
+:attr:`Report.operations_checked`, the report's "operations checked"; the two differ (see
+there)."""
 
 
 def write_size(key: int) -> int:
@@ -881,7 +885,13 @@ class Report:
     @property
     def operations_checked(self) -> int:
         """Writes verified plus snapshots compared plus listen events checked (the main
-        shard's and the fault pieces'; keyed: commits too)."""
+        shard's and the fault pieces'; keyed and txns: commits too; txns: cuts, and plain
+        appends found in the final cut).
+
+        Not the operations done (:meth:`live_ops`): pieces without a check of every write
+        (replace, pushes, resend and the others on shards of their own) have their writes
+        done, and their snapshots checked; main-shard writes still in flight at the end are
+        counted done only; a main-shard write the listen has not passed is unchecked."""
         return (
             self.ops["writes_checked"]
             + self.ops["snapshots_checked"]
@@ -900,6 +910,7 @@ class Report:
             + self.ops["txns_commits_checked"]
             + self.ops["txns_cuts_checked"]
             + self.ops["txns_listen_events"]
+            + self.ops["txns_plain_appends_checked"]
         )
 
     def live_ops(self) -> int:
@@ -913,7 +924,11 @@ class Report:
             f"persist checker: seed={self.seed} backend={self.backend} "
             f"duration={self.duration_s:.1f}s final_upper={self.final_upper}"
             + (f" sabotage={self.sabotage}" if self.sabotage else ""),
-            f"operations checked: {self.operations_checked} ({rate:.1f}/s)",
+            f"operations done: {self.live_ops()} (acknowledged or abandoned writes, commits "
+            "and appends; snapshots and cuts read; listen events read: what --ops counts)",
+            f"operations checked: {self.operations_checked} ({rate:.1f}/s; writes, commits and "
+            "appends verified after the run, snapshots and cuts each compared, listen events "
+            "each checked)",
             "operations:",
             *(f"  {k:<28} {v}" for k, v in sorted(self.ops.items())),
             f"faults injected: {sum(self.faults.values())}",
@@ -935,6 +950,7 @@ class Report:
             "seed": self.seed,
             "backend": self.backend,
             "duration_s": round(self.duration_s, 3),
+            "operations_done": self.live_ops(),
             "operations_checked": self.operations_checked,
             "ops": dict(self.ops),
             "faults": dict(self.faults),

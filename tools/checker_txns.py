@@ -8,14 +8,33 @@ time ``t`` (a cut that meets a store fault is taken again). A commit whose
 outcome is unknown (``Indeterminate``, or any store error) is resent, with
 the same rows, writer id and token, until acknowledged.
 
-Checked (:func:`check_cut`, on every cut and on the final one with faults
-off): a transaction shows in every shard it named or in none, each row once
-(a resend applied twice shows diff 2 or two rows), all at one time, the
-time its commit acknowledged; an acknowledged transaction at or before
-``t`` shows; the keyed shard holds for each key exactly the newest visible
-transaction that upserted it. After the workload a listen of every shard
-from 0 must see each transaction's rows at one time, the same in every
-shard (:meth:`TxnShards.verify`).
+Retention keeps every shard small, so a cut costs the same at the end of a
+long run as at its start: the shards have a retention period (``TXN_RETENTION_MS``,
+on wall-clock times: since follows the lowest reader hold alone), each cut
+reader holds since on every shard and, before a cut, downgrades it to at
+most ``CUT_WINDOW`` below the newest time every shard has, then cuts at or
+after it; a maintenance loop compacts (folding times below since into since)
+and collects the shards under faults, on top of the clients' own background
+maintenance. A cut below a shard's since cannot be read (``InvalidFrontier``:
+a downgrade whose reply was lost landed); it is counted
+(``txns_cuts_below_since``), not checked, and is no violation.
+
+Checked (:func:`check_cut`, on every readable cut and on the final one with
+faults off): a transaction shows in every shard it named or in none, each row
+once (a resend applied twice shows diff 2 or two rows); an acknowledged
+transaction shows iff its time is at or before ``t`` (compaction moves a
+time below since up to since, never past a cut at or after since, so this
+holds on compacted shards too); the keyed shard holds for each key exactly
+the newest visible transaction that upserted it. The final cut also holds
+every acknowledged plain append.
+
+And the exact times (:meth:`TxnShards.verify`): a listen of every plain shard
+follows it from time 0 throughout the run, holding its since just below its
+frontier, so nothing it has not read is compacted and every event carries
+the time its rows were written at. After the workload it reads on to the
+final upper with faults off: each acknowledged transaction was seen at
+exactly its acknowledged time (one time, if acknowledged as already
+committed) in exactly the shards it named, and no unplanned one was seen.
 
 Built from :mod:`.checker`'s fault menu, which imports this module only
 when it builds the piece (this module builds on the checker's shared
@@ -25,18 +44,29 @@ pieces); the piece's sabotage, ``txn_one_by_one``, is in the checker's menu.
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import functools
 import random
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from pyspark_persist.state import DIFF, TIME, PersistClient, ReadHandle
-from pyspark_persist.state.errors import Determinate, Indeterminate, InvalidUsage
+from pyspark_persist.state.errors import (
+    Determinate,
+    Indeterminate,
+    InvalidFrontier,
+    InvalidUsage,
+    PartNotFound,
+    PersistError,
+)
+from pyspark_persist.state.read import Listen, ListenEvent
 
-from .checker import Context, Piece, Recorder, reliable_client
+from .checker import FINISH_TIMEOUT_S, Context, FaultyClient, Piece, reliable_client
 
 TXN_SCHEMA = pa.schema([("txn", pa.int64()), ("row", pa.int64())])
 """A plain member's rows: the transaction id (negative: a plain append's) and a row number."""
@@ -54,6 +84,12 @@ ID_STRIDE = 1_000_000
 plain writer ``p`` is ``-((p + 1) * ID_STRIDE + m)``."""
 KEYED = "keyed"
 """The keyed member's name in a :class:`TxnSpec` (its shard is ``<piece shard>-keyed``)."""
+TXN_RETENTION_MS = 1
+"""The shards' retention. Their times are the wall clock's milliseconds, so ``now - 1 ms`` is
+past every hold: since follows the lowest reader hold (and ``upper - 1``) alone."""
+CUT_WINDOW = 200
+"""How far (in times: milliseconds of commit time) below the newest time every shard has a
+cut reader keeps its since, and an older cut may go: a handful of transactions back."""
 
 
 @dataclass(frozen=True)
@@ -189,20 +225,26 @@ class TxnShards(Piece):
         self.names = {f"s{i}": f"{base}-{i}" for i in range(TXN_SHARDS)}
         self.keyed_name = f"{base}-keyed"
         self.book = TxnBook()
+        self.follower: TxnFollower | None = None
 
     def setup(self) -> None:
-        """The plain shards, each with [0, 1) written, and the keyed one with an empty upsert
-        (so every member has a time to read at)."""
+        """The shards, with retention, the plain ones with [0, 1) written and the keyed one
+        with an empty upsert (so every member has a time to read at); then the listen of
+        every plain shard, registered before any write (since stays at 0 until it moves
+        its hold)."""
         with reliable_client(self.ctx.loc) as setup:
             for name in self.names.values():
-                shard = setup.open_shard(name, TXN_SCHEMA)
+                shard = setup.open_shard(name, TXN_SCHEMA, retention_ms=TXN_RETENTION_MS)
                 shard.writer("setup").compare_and_append(TXN_SCHEMA.empty_table(), 0, 1, token=1)
-            keyed = setup.open_shard(self.keyed_name, TXN_KEYED_SCHEMA, keys=["k"])
+            keyed = setup.open_shard(
+                self.keyed_name, TXN_KEYED_SCHEMA, keys=["k"], retention_ms=TXN_RETENTION_MS
+            )
             keyed.writer("setup").upsert(TXN_KEYED_SCHEMA.empty_table(), token=1)
         self.ctx.shards.extend([*self.names.values(), self.keyed_name])
+        self.follower = TxnFollower(self.ctx, self.names)
 
     def loops(self) -> dict[str, Callable[[], None]]:
-        """Transaction writers, plain writers and cut readers."""
+        """Transaction writers, plain writers, cut readers, the listen and maintenance."""
         out: dict[str, Callable[[], None]] = {}
         for w in range(TXN_WRITERS):
             out[f"txns-writer-{w}"] = functools.partial(self.commit_loop, w)
@@ -210,6 +252,9 @@ class TxnShards(Piece):
             out[f"txns-plain-{p}"] = functools.partial(self.plain_loop, p)
         for r in range(CUT_READERS):
             out[f"txns-cuts-{r}"] = functools.partial(self.cut_loop, r)
+        assert self.follower is not None, "setup registers the listen"
+        out["txns-listen"] = self.follower.run
+        out["txns-maintenance"] = self.maintenance_loop
         return out
 
     def commit_loop(self, w: int) -> None:
@@ -304,30 +349,91 @@ class TxnShards(Piece):
         return plain, client.open_shard(self.keyed_name).reader(name)
 
     def cut_loop(self, r: int) -> None:
-        """Take cuts at the newest time every shard has (or an older one) and check them."""
-        ctx = self.ctx
+        """Take cuts at the newest time every shard has (or a little older, never below this
+        reader's since) and check them, keeping this reader's since close behind."""
+        ctx, rec = self.ctx, self.ctx.rec
         rng = random.Random(ctx.seed_for(f"txns-cuts-{r}"))
         fc = ctx.client(f"txns-cuts-{r}", reader=True)
         plain, keyed = self._readers(fc.client, f"txns-cuts-{r}")
+        handles = [*plain.values(), keyed]
         fc.enable()
         while not ctx.stop.is_set():
             try:
-                t = min(h.latest_as_of() for h in [*plain.values(), keyed])
-                if rng.random() < 0.3:
-                    t = max(0, t - rng.randint(0, 50))
+                latest = min(h.latest_as_of() for h in handles)
+            except (Determinate, Indeterminate):
+                rec.op("txns_cut_retries")
+                continue
+            t = self._cut_time(handles, latest, rng)
+            if t is None:
+                ctx.stop.wait(0.005)
+                continue
+            try:
                 tables = {m: h.snapshot_table(t) for m, h in plain.items()}
                 keyed_table = keyed.snapshot_table(t)
-            except (Determinate, Indeterminate):
-                ctx.rec.op("txns_cut_retries")
+            except InvalidFrontier:
+                # t is at most every shard's upper - 1 (read just before, and uppers only
+                # advance), so some shard's since passed t: a downgrade of this reader whose
+                # reply was lost landed. Not a readable cut, and no violation.
+                rec.op("txns_cuts_below_since")
                 continue
-            ctx.rec.op("txns_cuts")
+            except PartNotFound as e:
+                rec.violation(f"txns: leased cut at {t} failed, a committed part is gone: {e}")
+                continue
+            except (Determinate, Indeterminate):
+                rec.op("txns_cut_retries")
+                continue
+            rec.op("txns_cuts")
             for v in check_cut(t, tables, keyed_table, self.book):
-                ctx.rec.violation(v)
-            ctx.rec.op("txns_cuts_checked")
+                rec.violation(v)
+            rec.op("txns_cuts_checked")
+        for h in handles:
+            with contextlib.suppress(PersistError):
+                h.close()
+
+    def _cut_time(self, handles: list[ReadHandle], latest: int, rng: random.Random) -> int | None:
+        """Downgrade the since of every handle more than ``CUT_WINDOW`` behind ``latest`` to one
+        random time at most that far behind, then the time of the next cut: ``latest``, or
+        (3 in 10) a random older one at or after every handle's since (None: a since is past
+        ``latest``, after a landed downgrade whose reply was lost)."""
+        target = rng.randint(max(0, latest - CUT_WINDOW), latest)
+        for h in handles:
+            if h.since < latest - CUT_WINDOW:
+                with contextlib.suppress(Determinate, Indeterminate):
+                    h.downgrade_since(target)
+                    self.ctx.rec.op("txns_since_downgrades")
+        lo = max(h.since for h in handles)
+        if lo > latest:
+            return None
+        return latest if rng.random() >= 0.3 else rng.randint(max(lo, latest - CUT_WINDOW), latest)
+
+    def maintenance_loop(self) -> None:
+        """Compaction (which folds times below since into since) and GC with the orphan sweep
+        (which moves since by the retention first) of a random shard of the piece, under
+        faults, pausing a little between: on top of the clients' background maintenance."""
+        ctx, rec = self.ctx, self.ctx.rec
+        fc = ctx.client(
+            "txns-maintenance", config=lambda c: dataclasses.replace(c, retry_timeout_s=1.5)
+        )
+        rng = random.Random(ctx.seed_for("txns-maintenance"))
+        shards = [fc.client.open_shard(n) for n in [*self.names.values(), self.keyed_name]]
+        fc.enable()
+        while not ctx.stop.is_set():
+            shard = rng.choice(shards)
+            try:
+                if rng.random() < 0.6:
+                    rec.op("txns_compactions", len(shard.compact()))
+                else:
+                    shard.gc()
+                    rec.op("txns_gcs")
+            except PartNotFound as e:
+                rec.violation(f"txns: compaction found a committed part missing: {e}")
+            except PersistError as e:
+                rec.op("txns_maintenance_errors_" + type(e).__name__)
+            ctx.stop.wait(rng.uniform(0.02, 0.2))
 
     def verify(self) -> None:
-        """Faults off: the final cut (every transaction settled), and a listen of each shard
-        from 0 that sees each transaction's rows at one time, the same in every shard."""
+        """Faults off: the final cut (every transaction settled), then the listen read on to
+        the final upper and each transaction's time and shards in it (see the module doc)."""
         ctx = self.ctx
         with reliable_client(ctx.loc) as client:
             # A last transaction over every shard brings them all to one upper, so the final
@@ -343,40 +449,118 @@ class TxnShards(Piece):
             tables = {m: h.snapshot_table(t) for m, h in plain.items()}
             for v in check_cut(t, tables, keyed.snapshot_table(t), self.book, final=True):
                 ctx.rec.violation(v)
-            _, acked, _ = self.book.view()
-            ctx.rec.op("txns_commits_checked", len(acked))
-            times: dict[int, set[int]] = collections.defaultdict(set)
-            for h in plain.values():
-                for txn, at in _listen_all(h, t + 1, ctx.rec):
-                    times[txn].add(at)
-            for txn, seen_at in times.items():
-                if acked.get(txn) is not None and seen_at != {acked[txn]}:
-                    ctx.rec.violation(
-                        f"txns: listens see transaction {txn} at {sorted(seen_at)}, acknowledged "
-                        f"at {acked[txn]}"
-                    )
-                elif len(seen_at) > 1:
-                    ctx.rec.violation(
-                        f"txns: listens see transaction {txn} at several times {sorted(seen_at)}"
-                    )
+            specs, acked, plain_acked = self.book.view()
+            ctx.rec.op("txns_plain_appends_checked", len(plain_acked))
+        assert self.follower is not None, "setup registers the listen"
+        if not self.follower.finish(t + 1):
+            return
+        ctx.rec.op("txns_commits_checked", len(acked))
+        for v in self.follower.check(specs, acked):
+            ctx.rec.violation(v)
 
 
-def _listen_all(reader: ReadHandle, upper: int, rec: Recorder) -> Iterator[tuple[int, int]]:
-    """(transaction id, time) of every transaction row a listen from 0 reads up to ``upper``."""
-    listen = reader.listen(0)
-    try:
-        frontier = 0
-        while frontier < upper:
-            event = listen.next(timeout_s=1.0)
+class TxnFollower:
+    """A listen of every plain shard from time 0, through the run and on to the final upper.
+
+    Its readers register when it is built (in the piece's setup, before any write) and each
+    holds since just below its listen's frontier, as a real consumer does: what it has not
+    read is never compacted, so every event carries the exact time its rows were written at.
+    It records, per transaction, the times and shards it saw the transaction's rows at.
+    """
+
+    def __init__(self, ctx: Context, names: Mapping[str, str]) -> None:
+        self.ctx = ctx
+        self.fc: FaultyClient = ctx.client("txns-listen", reader=True)
+        self.readers = {
+            m: self.fc.client.open_shard(name).reader("txns-listen") for m, name in names.items()
+        }
+        self.listens: dict[str, Listen] = {m: h.listen(h.since) for m, h in self.readers.items()}
+        self.times: dict[int, set[int]] = collections.defaultdict(set)
+        self.shards: dict[int, set[str]] = collections.defaultdict(set)
+        self.rng = random.Random(ctx.seed_for("txns-listen"))
+
+    def run(self) -> None:
+        """Follow every shard, round after round, until the run stops (faults on)."""
+        self.fc.enable()
+        while not self.ctx.stop.is_set():
+            if not self._round():
+                self.ctx.stop.wait(0.01)
+
+    def _round(self) -> bool:
+        """Take the next event of each listen that has one; whether any had."""
+        rec, progressed = self.ctx.rec, False
+        for m, listen in self.listens.items():
+            try:
+                event = listen.next(timeout_s=0.0)
+            except (Determinate, Indeterminate):
+                rec.op("txns_listen_errors")
+                continue
             if event is None:
                 continue
-            frontier = event.upper
-            table = reader.fetch(event.parts)
+            progressed = True
+            reader = self.readers[m]
+            table = self._fetch(reader, m, event)
+            if table is None:
+                continue
             rec.op("txns_listen_events")
             for txn, at in zip(
                 table.column("txn").to_pylist(), table.column(TIME).to_pylist(), strict=True
             ):
                 if txn >= 0:
-                    yield txn, at
-    finally:
-        listen.close()
+                    self.times[txn].add(at)
+                    self.shards[txn].add(m)
+            if self.rng.random() < 0.3 and listen.frontier > 1:
+                with contextlib.suppress(Determinate, Indeterminate):
+                    reader.downgrade_since(listen.frontier - 1)
+        return progressed
+
+    def _fetch(self, reader: ReadHandle, member: str, event: ListenEvent) -> pa.Table | None:
+        """An event's updates, retrying store errors; None (a violation) if a part is gone."""
+        while True:
+            try:
+                return reader.fetch(event.parts)
+            except PartNotFound as e:
+                self.ctx.rec.violation(
+                    f"txns: leased listen event [{event.lower}, {event.upper}) of {member} "
+                    f"failed: {e}"
+                )
+                return None
+            except (Determinate, Indeterminate):
+                self.ctx.rec.op("txns_listen_errors")
+
+    def finish(self, upper: int) -> bool:
+        """Read on (faults off by now) until every listen reached ``upper``, then close;
+        whether they all did (a violation names a listen that got stuck)."""
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while min(listen.frontier for listen in self.listens.values()) < upper:
+            if time.monotonic() > deadline:
+                stuck = {m: ls.frontier for m, ls in self.listens.items() if ls.frontier < upper}
+                self.ctx.rec.violation(f"txns: listens stuck at {stuck}, final upper {upper}")
+                return False
+            if not self._round():
+                time.sleep(0.01)
+        for m, listen in self.listens.items():
+            listen.close()
+            with contextlib.suppress(PersistError):
+                self.readers[m].close()
+        return True
+
+    def check(self, specs: Mapping[int, TxnSpec], acked: Mapping[int, int | None]) -> list[str]:
+        """Each acknowledged transaction seen at its acknowledged time alone (at one time, if
+        acknowledged as already committed) in exactly the shards it named; none unplanned."""
+        out: list[str] = []
+        for txn in sorted(set(self.times) - set(specs)):
+            out.append(f"txns: the listen sees transaction {txn}, which no writer planned")
+        for txn, at in acked.items():
+            seen_at, seen_in = self.times.get(txn, set()), self.shards.get(txn, set())
+            if seen_in != specs[txn].members():
+                out.append(
+                    f"txns: the listen sees transaction {txn} in {sorted(seen_in)}, it wrote "
+                    f"{sorted(specs[txn].members())} (half a transaction)"
+                )
+            if (at is not None and seen_at != {at}) or len(seen_at) > 1:
+                out.append(
+                    f"txns: the listen sees transaction {txn} at {sorted(seen_at)}, acknowledged "
+                    f"at {at}"
+                )
+        return out
