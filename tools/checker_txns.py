@@ -43,6 +43,7 @@ pieces); the piece's sabotage, ``txn_one_by_one``, is in the checker's menu.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -80,8 +81,16 @@ CUT_READERS = 2
 KEYS_PER_WRITER = 3
 """Keys of the keyed shard each transaction writer owns (so its commit order is its keys')."""
 ID_STRIDE = 1_000_000
-"""Transaction ``n`` of writer ``w`` is ``(w + 1) * ID_STRIDE + n``; plain append ``m`` of
-plain writer ``p`` is ``-((p + 1) * ID_STRIDE + m)``."""
+"""Transaction ``n`` (from 1) of writer ``w`` is ``(w + 1) * ID_STRIDE + n`` (its *group* is
+``w + 1``; the final transaction, 0, is group 0 alone); plain append ``m`` of plain writer
+``p`` is ``-((p + 1) * ID_STRIDE + m)``."""
+LIVE_TXNS = 3
+"""Transactions of a writer whose rows stay: transaction ``n`` also retracts the plain rows of
+``n - LIVE_TXNS`` (in that one's shards, in the same commit), so a shard's contents, and what a
+cut reads and checks, stay this size while its history grows."""
+PLAIN_LIVE = 3
+"""Plain appends of a plain writer that stay in each shard: each further append to the shard
+retracts its oldest there, in the same compare-and-append."""
 KEYED = "keyed"
 """The keyed member's name in a :class:`TxnSpec` (its shard is ``<piece shard>-keyed``)."""
 TXN_RETENTION_MS = 1
@@ -92,34 +101,67 @@ CUT_WINDOW = 200
 cut reader keeps its since, and an older cut may go: a handful of transactions back."""
 
 
+def group_of(txn: int) -> int:
+    """The writer group of a transaction id (see :data:`ID_STRIDE`)."""
+    return txn // ID_STRIDE
+
+
+def first_of(group: int) -> int:
+    """The first transaction id of a writer group."""
+    return group * ID_STRIDE + 1 if group else 0
+
+
 @dataclass(frozen=True)
 class TxnSpec:
-    """What a transaction writes: rows per plain member, and the key it upserts (if the keyed
-    shard is a member)."""
+    """What a transaction writes: rows per plain member, the key it upserts (if the keyed
+    shard is a member) and the earlier transaction whose plain rows it retracts."""
 
     txn: int
     rows: Mapping[str, int]
     key: int | None = None
+    retracts: TxnSpec | None = None
 
     def members(self) -> frozenset[str]:
-        """The plain members (the ones whose rows a cut counts)."""
+        """The plain members it writes rows to (the ones whose rows a cut counts)."""
         return frozenset(self.rows)
+
+    def shards(self) -> frozenset[str]:
+        """Every plain member it touches: its own and the retracted transaction's."""
+        return self.members() | (self.retracts.members() if self.retracts else frozenset())
 
 
 @dataclass
 class TxnBook:
     """What the writers said, shared with the readers: every transaction planned (before its
-    first attempt) and the time of every acknowledged one."""
+    first attempt), the time of every acknowledged one, and the plain appends that must stay.
+
+    Checking a cut against it costs what the cut holds, not the run's history: per writer
+    group the acknowledged ids in order, per key the ids that upsert it."""
 
     specs: dict[int, TxnSpec] = field(default_factory=dict)
     acked: dict[int, int | None] = field(default_factory=dict)
-    plain_acked: set[int] = field(default_factory=set)
+    acked_by_group: dict[int, list[int]] = field(
+        default_factory=lambda: collections.defaultdict(list)
+    )
+    upserters: dict[int, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
+    plain_live: set[int] = field(default_factory=set)
+    """Acknowledged plain appends whose retraction was not (yet) acknowledged."""
+    plain_acked: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def view(self) -> tuple[dict[int, TxnSpec], dict[int, int | None], set[int]]:
-        """Copies to check a cut against (taken after the cut was read)."""
+    def plan(self, spec: TxnSpec) -> None:
+        """Record a transaction before its first attempt."""
         with self.lock:
-            return dict(self.specs), dict(self.acked), set(self.plain_acked)
+            self.specs[spec.txn] = spec
+            if spec.key is not None:
+                self.upserters[spec.key].append(spec.txn)
+
+    def ack(self, txn: int, at: int | None) -> None:
+        """Record an acknowledged transaction (``at`` None: acknowledged as already
+        committed, time unknown). A writer group's acknowledgements come in id order."""
+        with self.lock:
+            self.acked[txn] = at
+            self.acked_by_group[group_of(txn)].append(txn)
 
 
 def check_cut(
@@ -132,8 +174,14 @@ def check_cut(
 ) -> list[str]:
     """The violations of one cut: every shard's consolidated snapshot as of ``t`` (``plain``
     by member name, ``keyed`` the keyed shard's). ``final``: the cut after the workload
-    (every write settled), where each acknowledged plain append must show too."""
-    specs, acked, plain_acked = book.view()
+    (every write settled), where exactly the acknowledged plain appends not retracted show.
+
+    A writer group commits one transaction after another, each retracting the one
+    ``LIVE_TXNS`` before, so if ``z`` is the newest of its transactions in the cut, the cut
+    must show exactly ``z - LIVE_TXNS + 1 .. z`` of it (those after its first id), each
+    whole; every one acknowledged at or before ``t`` must be at most ``z``, and none shows
+    that was acknowledged after ``t``. Read the book after the cut: a commit at or before
+    ``t`` landed before the cut was read, so its acknowledgement, if any, is in the book."""
     out: list[str] = []
     where = f"txns: cut at {t}"
     plain_seen: set[int] = set()
@@ -155,45 +203,83 @@ def check_cut(
             for key, n in rows.items()
             if n > 1
         ]
-    for txn, counts in seen.items():
-        spec = specs.get(txn)
-        if spec is None:
-            out.append(f"{where}: transaction {txn} shows, but no writer planned it")
-            continue
-        shown = frozenset(counts)
-        if shown != spec.members():
-            out.append(
-                f"{where}: transaction {txn} shows in {sorted(shown)} but not in "
-                f"{sorted(spec.members() - shown)} (half a transaction)"
-                + (
-                    f"; not planned for {sorted(shown - spec.members())}"
-                    if shown - spec.members()
-                    else ""
-                )
+    with book.lock:
+        newest: dict[int, int] = {}
+        for txn in seen:
+            newest[group_of(txn)] = max(newest.get(group_of(txn), txn), txn)
+        for txn, counts in seen.items():
+            out += _check_shown(where, t, txn, counts, book)
+        for group, z in newest.items():
+            live = range(max(first_of(group), z - LIVE_TXNS + 1), z + 1)
+            out += [
+                f"{where}: transaction {txn} is missing, yet {z} of its writer shows (a "
+                "transaction lost, or retracted early: half a transaction)"
+                for txn in live
+                if txn not in seen
+            ]
+            out += [
+                f"{where}: transaction {txn} shows, yet {txn + LIVE_TXNS} of its writer, which "
+                "retracts it, shows too (half a transaction)"
+                for txn in seen
+                if group_of(txn) == group and txn <= z - LIVE_TXNS
+            ]
+        for group, ids in book.acked_by_group.items():
+            z = newest.get(group, first_of(group) - 1)
+            for txn in reversed(ids):
+                if txn <= z:
+                    break
+                at = book.acked[txn]
+                if at is not None and at <= t:
+                    out.append(f"{where}: transaction {txn} acknowledged at {at} is missing")
+        out += _check_keyed(where, keyed, book, newest)
+        if final:
+            out += [
+                f"{where}: acknowledged plain append {ident} is missing"
+                for ident in sorted(book.plain_live - plain_seen)
+            ]
+            out += [
+                f"{where}: plain append {ident} shows, but it was never acknowledged or its "
+                "retraction was"
+                for ident in sorted(plain_seen - book.plain_live)
+            ]
+    return out
+
+
+def _check_shown(
+    where: str, t: int, txn: int, counts: collections.Counter[str], book: TxnBook
+) -> list[str]:
+    """A transaction the cut shows: planned, in all its shards with all its rows, and not
+    acknowledged after ``t`` (book locked)."""
+    spec = book.specs.get(txn)
+    if spec is None:
+        return [f"{where}: transaction {txn} shows, but no writer planned it"]
+    out: list[str] = []
+    shown = frozenset(counts)
+    if shown != spec.members():
+        out.append(
+            f"{where}: transaction {txn} shows in {sorted(shown)} but not in "
+            f"{sorted(spec.members() - shown)} (half a transaction)"
+            + (
+                f"; not planned for {sorted(shown - spec.members())}"
+                if shown - spec.members()
+                else ""
             )
-        wrong = {s: n for s, n in counts.items() if n != spec.rows.get(s)}
-        if wrong:
-            out.append(f"{where}: transaction {txn} has rows {wrong}, wrote {dict(spec.rows)}")
-        at = acked.get(txn)
-        if at is not None and at > t:
-            out.append(f"{where}: transaction {txn} acknowledged at {at} shows before it")
-    for txn, at in acked.items():
-        if at is not None and at <= t and txn not in seen:
-            out.append(f"{where}: transaction {txn} acknowledged at {at} is missing")
-    if final:
-        out += [
-            f"{where}: acknowledged plain append {ident} is missing"
-            for ident in sorted(plain_acked - plain_seen)
-        ]
-    out += _check_keyed(where, keyed, specs, frozenset(seen))
+        )
+    wrong = {s: n for s, n in counts.items() if n != spec.rows.get(s)}
+    if wrong:
+        out.append(f"{where}: transaction {txn} has rows {wrong}, wrote {dict(spec.rows)}")
+    at = book.acked.get(txn)
+    if at is not None and at > t:
+        out.append(f"{where}: transaction {txn} acknowledged at {at} shows before it")
     return out
 
 
 def _check_keyed(
-    where: str, keyed: pa.Table, specs: Mapping[int, TxnSpec], visible: frozenset[int]
+    where: str, keyed: pa.Table, book: TxnBook, newest: Mapping[int, int]
 ) -> list[str]:
-    """Each key holds the newest visible transaction that upserted it (a writer's
-    transactions commit in id order), once; a key none upserted is absent."""
+    """Each key holds, once, the newest transaction that upserted it among those committed
+    by the cut's time: its writer's transactions up to the newest it shows (a writer
+    commits in id order and owns its keys); a key none of those upserted is absent."""
     out: list[str] = []
     held: dict[int, int] = {}
     for k, txn, diff in zip(
@@ -202,18 +288,37 @@ def _check_keyed(
         if diff != 1 or k in held:
             out.append(f"{where}: keyed shard holds key {k} twice or with diff {diff}")
         held[k] = txn
-    newest: dict[int, int] = {}
-    for txn in visible:
-        spec = specs.get(txn)
-        if spec is not None and spec.key is not None:
-            newest[spec.key] = max(newest.get(spec.key, txn), txn)
-    for k in sorted(set(held) | set(newest)):
-        if held.get(k) != newest.get(k):
+    for k in sorted(set(held) | set(book.upserters)):
+        ids = book.upserters.get(k, [])
+        expected: int | None = None
+        if ids:
+            z = newest.get(group_of(ids[0]))
+            i = -1 if z is None else bisect.bisect_right(ids, z) - 1
+            expected = ids[i] if i >= 0 else None
+        if held.get(k) != expected:
             out.append(
                 f"{where}: keyed shard holds key {k} = transaction {held.get(k)}, but the newest "
-                f"visible transaction upserting it is {newest.get(k)} (half a transaction)"
+                f"committed transaction upserting it is {expected} (half a transaction)"
             )
     return out
+
+
+def _plain_shares(spec: TxnSpec) -> dict[str, pa.Table]:
+    """A transaction's updates per plain shard: its rows (``row`` 0.., diff +1) and the
+    retraction (diff -1) of the rows of the transaction it retracts."""
+    rows: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
+    for member, n in spec.rows.items():
+        rows[member] += [(spec.txn, row, 1) for row in range(n)]
+    if spec.retracts is not None:
+        for member, n in spec.retracts.rows.items():
+            rows[member] += [(spec.retracts.txn, row, -1) for row in range(n)]
+    return {
+        member: pa.table(
+            {"txn": [r[0] for r in rs], "row": [r[1] for r in rs], DIFF: [r[2] for r in rs]},
+            schema=TXN_SCHEMA.append(pa.field(DIFF, pa.int64())),
+        )
+        for member, rs in rows.items()
+    }
 
 
 class TxnShards(Piece):
@@ -258,28 +363,34 @@ class TxnShards(Piece):
         return out
 
     def commit_loop(self, w: int) -> None:
-        """Commit transaction after transaction, each resent until acknowledged."""
+        """Commit transaction after transaction, each resent until acknowledged: rows in 1-5
+        plain shards and perhaps a key of the keyed one, and the retraction of the rows of
+        the transaction ``LIVE_TXNS`` before (in its shards too: 2-5 shards in all)."""
         ctx = self.ctx
         rng = random.Random(ctx.seed_for(f"txns-writer-{w}"))
         fc = ctx.client(f"txns-writer-{w}")
         fc.enable()
         members = [*self.names, KEYED]
+        planned: collections.deque[TxnSpec] = collections.deque()
         n = 0
         while not ctx.stop.is_set():
             n += 1
             chosen = rng.sample(members, rng.randint(2, 5))
-            plain = [m for m in chosen if m != KEYED] or [rng.choice(list(self.names))]
+            plain = [m for m in chosen if m != KEYED]
+            retracts = planned.popleft() if len(planned) == LIVE_TXNS else None
+            touched = set(plain) | (retracts.members() if retracts else set())
+            keyed = KEYED in chosen and len(touched) < 5
             spec = TxnSpec(
                 (w + 1) * ID_STRIDE + n,
                 {m: rng.randint(1, 3) for m in plain},
-                w * KEYS_PER_WRITER + rng.randrange(KEYS_PER_WRITER) if KEYED in chosen else None,
+                w * KEYS_PER_WRITER + rng.randrange(KEYS_PER_WRITER) if keyed else None,
+                retracts,
             )
-            with self.book.lock:
-                self.book.specs[spec.txn] = spec
+            planned.append(spec)
+            self.book.plan(spec)
             at = self._commit_until_acked(fc.client, f"txns-w{w}", n, spec)
             if at is not False:
-                with self.book.lock:
-                    self.book.acked[spec.txn] = at
+                self.book.ack(spec.txn, at)
 
     def _commit_until_acked(
         self, client: PersistClient, writer_id: str, token: int, spec: TxnSpec
@@ -292,11 +403,8 @@ class TxnShards(Piece):
         while True:
             t = client.txn(writer_id=writer_id, token=token)
             try:
-                for member, n in spec.rows.items():
-                    t.append(
-                        self.names[member],
-                        pa.table({"txn": [spec.txn] * n, "row": list(range(n))}, schema=TXN_SCHEMA),
-                    )
+                for member, updates in _plain_shares(spec).items():
+                    t.append(self.names[member], updates)
                 if spec.key is not None:
                     t.upsert(
                         self.keyed_name,
@@ -316,7 +424,9 @@ class TxnShards(Piece):
             return at
 
     def plain_loop(self, p: int) -> None:
-        """Plain appends (one row, a token each) to random members, each until acknowledged."""
+        """Plain appends (one row, a token each) to random members, each until acknowledged;
+        once a member holds ``PLAIN_LIVE`` of this writer's, each append there also retracts
+        the oldest."""
         ctx = self.ctx
         rng = random.Random(ctx.seed_for(f"txns-plain-{p}"))
         fc = ctx.client(f"txns-plain-{p}")
@@ -324,21 +434,35 @@ class TxnShards(Piece):
             m: fc.client.open_shard(name).writer(f"txns-plain-{p}")
             for m, name in self.names.items()
         }
+        live: dict[str, collections.deque[int]] = {m: collections.deque() for m in writers}
         fc.enable()
         m = 0
         while not ctx.stop.is_set():
             m += 1
             ident = (p + 1) * ID_STRIDE + m
-            row = pa.table({"txn": [-ident], "row": [0]}, schema=TXN_SCHEMA)
-            writer = writers[rng.choice(list(writers))]
+            member = rng.choice(list(writers))
+            old = live[member][0] if len(live[member]) == PLAIN_LIVE else None
+            updates = pa.table(
+                {
+                    "txn": [-ident] + ([] if old is None else [-old]),
+                    "row": [0] * (1 if old is None else 2),
+                    DIFF: [1] + ([] if old is None else [-1]),
+                },
+                schema=TXN_SCHEMA.append(pa.field(DIFF, pa.int64())),
+            )
             while True:
                 try:
-                    writer.append(row, token=m)
+                    writers[member].append(updates, token=m)
                     break
                 except (Determinate, Indeterminate):
                     ctx.rec.op("txns_plain_errors")
+            live[member].append(ident)
             with self.book.lock:
-                self.book.plain_acked.add(ident)
+                self.book.plain_live.add(ident)
+                self.book.plain_acked += 1
+                if old is not None:
+                    live[member].popleft()
+                    self.book.plain_live.discard(old)
             ctx.rec.op("txns_plain_appends")
             ctx.stop.wait(rng.uniform(0.0, 0.01))
 
@@ -433,29 +557,27 @@ class TxnShards(Piece):
 
     def verify(self) -> None:
         """Faults off: the final cut (every transaction settled), then the listen read on to
-        the final upper and each transaction's time and shards in it (see the module doc)."""
+        the final upper and each transaction's times and shards in it (see the module doc)."""
         ctx = self.ctx
         with reliable_client(ctx.loc) as client:
-            # A last transaction over every shard brings them all to one upper, so the final
-            # cut holds every write.
+            # A last transaction over every plain shard and the keyed one brings them all to
+            # one upper, so the final cut holds every write.
             last = TxnSpec(0, dict.fromkeys(self.names, 1), -1)
-            with self.book.lock:
-                self.book.specs[last.txn] = last
+            self.book.plan(last)
             at = self._commit_until_acked(client, "txns-final", 1, last)
-            with self.book.lock:
-                self.book.acked[last.txn] = at
+            if at is not False:
+                self.book.ack(last.txn, at)
             plain, keyed = self._readers(client, "txns-verify")
             t = min(h.latest_as_of() for h in [*plain.values(), keyed])
             tables = {m: h.snapshot_table(t) for m, h in plain.items()}
             for v in check_cut(t, tables, keyed.snapshot_table(t), self.book, final=True):
                 ctx.rec.violation(v)
-            specs, acked, plain_acked = self.book.view()
-            ctx.rec.op("txns_plain_appends_checked", len(plain_acked))
+        ctx.rec.op("txns_plain_appends_checked", self.book.plain_acked)
         assert self.follower is not None, "setup registers the listen"
         if not self.follower.finish(t + 1):
             return
-        ctx.rec.op("txns_commits_checked", len(acked))
-        for v in self.follower.check(specs, acked):
+        ctx.rec.op("txns_commits_checked", len(self.book.acked))
+        for v in self.follower.check(self.book):
             ctx.rec.violation(v)
 
 
@@ -477,6 +599,8 @@ class TxnFollower:
         self.listens: dict[str, Listen] = {m: h.listen(h.since) for m, h in self.readers.items()}
         self.times: dict[int, set[int]] = collections.defaultdict(set)
         self.shards: dict[int, set[str]] = collections.defaultdict(set)
+        self.retracted_at: dict[int, set[int]] = collections.defaultdict(set)
+        self.retracted_in: dict[int, set[str]] = collections.defaultdict(set)
         self.rng = random.Random(ctx.seed_for("txns-listen"))
 
     def run(self) -> None:
@@ -503,12 +627,15 @@ class TxnFollower:
             if table is None:
                 continue
             rec.op("txns_listen_events")
-            for txn, at in zip(
-                table.column("txn").to_pylist(), table.column(TIME).to_pylist(), strict=True
+            for txn, at, diff in zip(
+                *(table.column(c).to_pylist() for c in ("txn", TIME, DIFF)), strict=True
             ):
-                if txn >= 0:
+                if txn >= 0 and diff > 0:
                     self.times[txn].add(at)
                     self.shards[txn].add(m)
+                elif txn >= 0:
+                    self.retracted_at[txn].add(at)
+                    self.retracted_in[txn].add(m)
             if self.rng.random() < 0.3 and listen.frontier > 1:
                 with contextlib.suppress(Determinate, Indeterminate):
                     reader.downgrade_since(listen.frontier - 1)
@@ -545,22 +672,53 @@ class TxnFollower:
                 self.readers[m].close()
         return True
 
-    def check(self, specs: Mapping[int, TxnSpec], acked: Mapping[int, int | None]) -> list[str]:
-        """Each acknowledged transaction seen at its acknowledged time alone (at one time, if
-        acknowledged as already committed) in exactly the shards it named; none unplanned."""
+    def check(self, book: TxnBook) -> list[str]:
+        """Each acknowledged transaction's rows seen at its acknowledged time alone (at one
+        time, if acknowledged as already committed) in exactly the shards it named, and their
+        retraction likewise at the time of the transaction that retracts them (if that one
+        was acknowledged; never otherwise); no unplanned transaction seen."""
         out: list[str] = []
-        for txn in sorted(set(self.times) - set(specs)):
+        for txn in sorted((set(self.times) | set(self.retracted_at)) - set(book.specs)):
             out.append(f"txns: the listen sees transaction {txn}, which no writer planned")
-        for txn, at in acked.items():
-            seen_at, seen_in = self.times.get(txn, set()), self.shards.get(txn, set())
-            if seen_in != specs[txn].members():
-                out.append(
-                    f"txns: the listen sees transaction {txn} in {sorted(seen_in)}, it wrote "
-                    f"{sorted(specs[txn].members())} (half a transaction)"
+        retractor = {s.retracts.txn: s.txn for s in book.specs.values() if s.retracts}
+        for txn, at in book.acked.items():
+            members = book.specs[txn].members()
+            out += _seen_once(
+                f"transaction {txn}", self.times.get(txn), self.shards.get(txn), at, members
+            )
+            r = retractor.get(txn)
+            if r is not None and r in book.acked:
+                out += _seen_once(
+                    f"the retraction of transaction {txn} (by {r})",
+                    self.retracted_at.get(txn),
+                    self.retracted_in.get(txn),
+                    book.acked[r],
+                    members,
                 )
-            if (at is not None and seen_at != {at}) or len(seen_at) > 1:
+            elif txn in self.retracted_at:
                 out.append(
-                    f"txns: the listen sees transaction {txn} at {sorted(seen_at)}, acknowledged "
-                    f"at {at}"
+                    f"txns: the listen sees transaction {txn} retracted at "
+                    f"{sorted(self.retracted_at[txn])}, but no acknowledged one retracts it"
                 )
         return out
+
+
+def _seen_once(
+    what: str,
+    seen_at: set[int] | None,
+    seen_in: set[str] | None,
+    at: int | None,
+    members: frozenset[str],
+) -> list[str]:
+    """``what`` was seen by the listen in exactly ``members``, at ``at`` alone (at one time,
+    when ``at`` is None: acknowledged as already committed)."""
+    seen_at, seen_in = seen_at or set(), seen_in or set()
+    out: list[str] = []
+    if seen_in != members:
+        out.append(
+            f"txns: the listen sees {what} in {sorted(seen_in)}, it was written to "
+            f"{sorted(members)} (half a transaction)"
+        )
+    if (at is not None and seen_at != {at}) or len(seen_at) != 1:
+        out.append(f"txns: the listen sees {what} at {sorted(seen_at)}, acknowledged at {at}")
+    return out
