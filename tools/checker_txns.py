@@ -53,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import pyarrow as pa
 
@@ -69,6 +70,8 @@ from pyspark_persist.state.read import Listen, ListenEvent
 
 from .checker import FINISH_TIMEOUT_S, Context, FaultyClient, Piece, reliable_client
 
+ReadT = TypeVar("ReadT")
+
 TXN_SCHEMA = pa.schema([("txn", pa.int64()), ("row", pa.int64())])
 """A plain member's rows: the transaction id (negative: a plain append's) and a row number."""
 TXN_KEYED_SCHEMA = pa.schema([("k", pa.int64()), ("txn", pa.int64())])
@@ -77,7 +80,7 @@ TXN_SHARDS = 5
 """Plain shards of the piece (plus the keyed one): a transaction names 2-5 of all six."""
 TXN_WRITERS = 3
 PLAIN_WRITERS = 2
-CUT_READERS = 2
+CUT_READERS = 3
 KEYS_PER_WRITER = 3
 """Keys of the keyed shard each transaction writer owns (so its commit order is its keys')."""
 ID_STRIDE = 1_000_000
@@ -96,9 +99,10 @@ KEYED = "keyed"
 TXN_RETENTION_MS = 1
 """The shards' retention. Their times are the wall clock's milliseconds, so ``now - 1 ms`` is
 past every hold: since follows the lowest reader hold (and ``upper - 1``) alone."""
-CUT_WINDOW = 200
-"""How far (in times: milliseconds of commit time) below the newest time every shard has a
-cut reader keeps its since, and an older cut may go: a handful of transactions back."""
+CUT_WINDOW = 1000
+"""How far (in times: milliseconds of commit time) below the newest time every shard has an
+older cut may go, and a cut reader lets its since fall at most twice that far behind before
+it downgrades it (a downgrade is a compare-and-set per shard: one every few cuts)."""
 
 
 def group_of(txn: int) -> int:
@@ -482,18 +486,17 @@ class TxnShards(Piece):
         handles = [*plain.values(), keyed]
         fc.enable()
         while not ctx.stop.is_set():
-            try:
-                latest = min(h.latest_as_of() for h in handles)
-            except (Determinate, Indeterminate):
-                rec.op("txns_cut_retries")
-                continue
+            latest = min(self._retrying(h.latest_as_of) for h in handles)
             t = self._cut_time(handles, latest, rng)
             if t is None:
                 ctx.stop.wait(0.005)
                 continue
             try:
-                tables = {m: h.snapshot_table(t) for m, h in plain.items()}
-                keyed_table = keyed.snapshot_table(t)
+                tables = {
+                    m: self._retrying(functools.partial(h.snapshot_table, t))
+                    for m, h in plain.items()
+                }
+                keyed_table = self._retrying(functools.partial(keyed.snapshot_table, t))
             except InvalidFrontier:
                 # t is at most every shard's upper - 1 (read just before, and uppers only
                 # advance), so some shard's since passed t: a downgrade of this reader whose
@@ -503,9 +506,6 @@ class TxnShards(Piece):
             except PartNotFound as e:
                 rec.violation(f"txns: leased cut at {t} failed, a committed part is gone: {e}")
                 continue
-            except (Determinate, Indeterminate):
-                rec.op("txns_cut_retries")
-                continue
             rec.op("txns_cuts")
             for v in check_cut(t, tables, keyed_table, self.book):
                 rec.violation(v)
@@ -514,14 +514,23 @@ class TxnShards(Piece):
             with contextlib.suppress(PersistError):
                 h.close()
 
+    def _retrying(self, read: Callable[[], ReadT]) -> ReadT:
+        """``read`` (one shard's part of a cut), again after each store error: the cut keeps
+        its time, which this reader's since holds readable, so one fault costs one read."""
+        while True:
+            try:
+                return read()
+            except (Determinate, Indeterminate):
+                self.ctx.rec.op("txns_cut_retries")
+
     def _cut_time(self, handles: list[ReadHandle], latest: int, rng: random.Random) -> int | None:
-        """Downgrade the since of every handle more than ``CUT_WINDOW`` behind ``latest`` to one
-        random time at most that far behind, then the time of the next cut: ``latest``, or
+        """Downgrade the since of every handle more than ``2 * CUT_WINDOW`` behind ``latest`` to
+        one random time at most ``CUT_WINDOW`` behind, then the time of the next cut: ``latest``, or
         (3 in 10) a random older one at or after every handle's since (None: a since is past
         ``latest``, after a landed downgrade whose reply was lost)."""
         target = rng.randint(max(0, latest - CUT_WINDOW), latest)
         for h in handles:
-            if h.since < latest - CUT_WINDOW:
+            if h.since < latest - 2 * CUT_WINDOW:
                 with contextlib.suppress(Determinate, Indeterminate):
                     h.downgrade_since(target)
                     self.ctx.rec.op("txns_since_downgrades")
