@@ -95,10 +95,13 @@ all run), each a named :class:`Piece`:
   back only by a reset, a fenced holder never moves it, since never passes
   its hold, and an acknowledged advance is what it holds;
 - ``txns`` (:class:`~.checker_txns.TxnShards`, in its own module): writers
-  committing transactions over 2-5 of six shards (one keyed), resent with
-  their token after any store error, plain appends to the same shards, and
-  readers taking cuts: every cut shows each transaction in all its shards or
-  none, once, and the keyed shard the newest visible upsert of each key.
+  committing transactions over 2-5 of six shards (one keyed, all with
+  retention, kept small by retractions), resent with their token after any
+  store error, plain appends to the same shards, and readers taking cuts at
+  or after the since they hold: every readable cut shows each transaction in
+  all its shards or none, once, and the keyed shard the newest committed
+  upsert of each key; a listen held through the run sees each at its
+  acknowledged time.
 
 The resend, abort and short-grace pieces share :class:`ModelShard`: the
 piece is its shard's one writer, so it knows exactly which writes landed and

@@ -8,33 +8,40 @@ time ``t`` (a cut that meets a store fault is taken again). A commit whose
 outcome is unknown (``Indeterminate``, or any store error) is resent, with
 the same rows, writer id and token, until acknowledged.
 
-Retention keeps every shard small, so a cut costs the same at the end of a
-long run as at its start: the shards have a retention period (``TXN_RETENTION_MS``,
-on wall-clock times: since follows the lowest reader hold alone), each cut
-reader holds since on every shard and, before a cut, downgrades it to at
-most ``CUT_WINDOW`` below the newest time every shard has, then cuts at or
-after it; a maintenance loop compacts (folding times below since into since)
-and collects the shards under faults, on top of the clients' own background
-maintenance. A cut below a shard's since cannot be read (``InvalidFrontier``:
-a downgrade whose reply was lost landed); it is counted
-(``txns_cuts_below_since``), not checked, and is no violation.
+A cut costs the same at the end of a long run as at its start. The shards'
+contents stay small: each transaction also retracts, in the same commit, the
+rows of its writer's transaction ``LIVE_TXNS`` before (in that one's shards,
+so it touches 2-5 in all), and each plain append the oldest of its writer's
+``PLAIN_LIVE`` in its shard. Their history stays small too: the shards have
+a retention period (``TXN_RETENTION_MS``, on wall-clock times: since follows
+the lowest reader hold alone), each cut reader holds since on every shard and
+downgrades it once it is ``2 * CUT_WINDOW`` behind the newest time every
+shard has, then cuts at or after it; a maintenance loop compacts (folding
+times below since into since) and collects the shards under faults, on top of
+the clients' own background maintenance. A cut below a shard's since cannot
+be read (``InvalidFrontier``: a downgrade whose reply was lost landed); it is
+counted (``txns_cuts_below_since``), not checked, and is no violation. Nor is
+the check's cost tied to the history: per writer, the newest transaction a
+cut shows fixes which of its transactions must show (:func:`check_cut`).
 
 Checked (:func:`check_cut`, on every readable cut and on the final one with
 faults off): a transaction shows in every shard it named or in none, each row
-once (a resend applied twice shows diff 2 or two rows); an acknowledged
-transaction shows iff its time is at or before ``t`` (compaction moves a
-time below since up to since, never past a cut at or after since, so this
-holds on compacted shards too); the keyed shard holds for each key exactly
-the newest visible transaction that upserted it. The final cut also holds
-every acknowledged plain append.
+once (a resend applied twice shows diff 2 or two rows, a retraction applied
+twice diff -1); an acknowledged transaction shows iff its time is at or
+before ``t`` and it was not retracted by then (compaction moves a time below
+since up to since, never past a cut at or after since, so this holds on
+compacted shards too); the keyed shard holds for each key exactly the newest
+committed transaction that upserted it. The final cut holds exactly the
+acknowledged plain appends not retracted.
 
 And the exact times (:meth:`TxnShards.verify`): a listen of every plain shard
 follows it from time 0 throughout the run, holding its since just below its
 frontier, so nothing it has not read is compacted and every event carries
 the time its rows were written at. After the workload it reads on to the
-final upper with faults off: each acknowledged transaction was seen at
-exactly its acknowledged time (one time, if acknowledged as already
-committed) in exactly the shards it named, and no unplanned one was seen.
+final upper with faults off: each acknowledged transaction's rows were seen
+at exactly its acknowledged time (one time, if acknowledged as already
+committed) in exactly the shards it named, their retraction likewise at the
+time of the transaction that retracts them, and no unplanned one was seen.
 
 Built from :mod:`.checker`'s fault menu, which imports this module only
 when it builds the piece (this module builds on the checker's shared
