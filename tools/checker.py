@@ -889,12 +889,14 @@ class Report:
     def operations_checked(self) -> int:
         """Writes verified plus snapshots compared plus listen events checked (the main
         shard's and the fault pieces'; keyed and txns: commits too; txns: cuts, and plain
-        appends found in the final cut).
+        appends, each found in the final cut or retracted by an acknowledged append).
 
-        Not the operations done (:meth:`live_ops`): pieces without a check of every write
-        (replace, pushes, resend and the others on shards of their own) have their writes
-        done, and their snapshots checked; main-shard writes still in flight at the end are
-        counted done only; a main-shard write the listen has not passed is unchecked."""
+        Not the operations done (:meth:`live_ops`), which counts each operation once as it
+        completes: the resend, abort and short-grace pieces' writes are done but checked
+        only through their snapshots; a main-shard write the listen has not passed is done
+        but not checked (``writes_unchecked``); a transaction acknowledged as already
+        committed is checked but not done (``txns_already_committed``).
+        """
         return (
             self.ops["writes_checked"]
             + self.ops["snapshots_checked"]
