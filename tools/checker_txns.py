@@ -130,7 +130,9 @@ class TxnSpec:
     txn: int
     rows: Mapping[str, int]
     key: int | None = None
-    retracts: TxnSpec | None = None
+    retracts: TxnSpec | None = field(default=None, repr=False, compare=False)
+    """Out of repr and comparisons: each spec retracts an earlier one, which retracts an
+    earlier one, so following the chain would go as deep as the run is long."""
 
     def members(self) -> frozenset[str]:
         """The plain members it writes rows to (the ones whose rows a cut counts)."""
