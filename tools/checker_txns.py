@@ -138,10 +138,6 @@ class TxnSpec:
         """The plain members it writes rows to (the ones whose rows a cut counts)."""
         return frozenset(self.rows)
 
-    def shards(self) -> frozenset[str]:
-        """Every plain member it touches: its own and the retracted transaction's."""
-        return self.members() | (self.retracts.members() if self.retracts else frozenset())
-
 
 @dataclass
 class TxnBook:
