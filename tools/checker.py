@@ -95,10 +95,13 @@ all run), each a named :class:`Piece`:
   back only by a reset, a fenced holder never moves it, since never passes
   its hold, and an acknowledged advance is what it holds;
 - ``txns`` (:class:`~.checker_txns.TxnShards`, in its own module): writers
-  committing transactions over 2-5 of six shards (one keyed), resent with
-  their token after any store error, plain appends to the same shards, and
-  readers taking cuts: every cut shows each transaction in all its shards or
-  none, once, and the keyed shard the newest visible upsert of each key.
+  committing transactions over 2-5 of six shards (one keyed, all with
+  retention, kept small by retractions), resent with their token after any
+  store error, plain appends to the same shards, and readers taking cuts at
+  or after the since they hold: every readable cut shows each transaction in
+  all its shards or none, once, and the keyed shard the newest committed
+  upsert of each key; a listen held through the run sees each at its
+  acknowledged time.
 
 The resend, abort and short-grace pieces share :class:`ModelShard`: the
 piece is its shard's one writer, so it knows exactly which writes landed and
@@ -274,9 +277,13 @@ LIVE_OPS = (
     "txns_committed",
     "txns_plain_appends",
     "txns_cuts",
+    "txns_listen_events",
 )
-"""The operations ``--ops`` and ``--progress`` count while a run goes (what is verified
-after it is :attr:`Report.operations_checked`)."""
+"""The operations ``--ops`` and ``--progress`` count while a run goes, the report's
+"operations done": every write, commit or append acknowledged (or abandoned), every snapshot
+or cut read and every listen event read. What was verified is
+:attr:`Report.operations_checked`, the report's "operations checked"; the two differ (see
+there)."""
 
 
 def write_size(key: int) -> int:
@@ -881,7 +888,15 @@ class Report:
     @property
     def operations_checked(self) -> int:
         """Writes verified plus snapshots compared plus listen events checked (the main
-        shard's and the fault pieces'; keyed: commits too)."""
+        shard's and the fault pieces'; keyed and txns: commits too; txns: cuts, and plain
+        appends, each found in the final cut or retracted by an acknowledged append).
+
+        Not the operations done (:meth:`live_ops`), which counts each operation once as it
+        completes: the resend, abort and short-grace pieces' writes are done but checked
+        only through their snapshots; a main-shard write the listen has not passed is done
+        but not checked (``writes_unchecked``); a transaction acknowledged as already
+        committed is checked but not done (``txns_already_committed``).
+        """
         return (
             self.ops["writes_checked"]
             + self.ops["snapshots_checked"]
@@ -900,6 +915,7 @@ class Report:
             + self.ops["txns_commits_checked"]
             + self.ops["txns_cuts_checked"]
             + self.ops["txns_listen_events"]
+            + self.ops["txns_plain_appends_checked"]
         )
 
     def live_ops(self) -> int:
@@ -913,7 +929,11 @@ class Report:
             f"persist checker: seed={self.seed} backend={self.backend} "
             f"duration={self.duration_s:.1f}s final_upper={self.final_upper}"
             + (f" sabotage={self.sabotage}" if self.sabotage else ""),
-            f"operations checked: {self.operations_checked} ({rate:.1f}/s)",
+            f"operations done: {self.live_ops()} (acknowledged or abandoned writes, commits "
+            "and appends; snapshots and cuts read; listen events read: what --ops counts)",
+            f"operations checked: {self.operations_checked} ({rate:.1f}/s; writes, commits and "
+            "appends verified after the run, snapshots and cuts each compared, listen events "
+            "each checked)",
             "operations:",
             *(f"  {k:<28} {v}" for k, v in sorted(self.ops.items())),
             f"faults injected: {sum(self.faults.values())}",
@@ -935,6 +955,7 @@ class Report:
             "seed": self.seed,
             "backend": self.backend,
             "duration_s": round(self.duration_s, 3),
+            "operations_done": self.live_ops(),
             "operations_checked": self.operations_checked,
             "ops": dict(self.ops),
             "faults": dict(self.faults),

@@ -72,7 +72,8 @@ def test_checker_consumers_piece() -> None:
 @pytest.mark.slow
 def test_checker_txns_piece() -> None:
     """The txns piece alone: transactions over 2-5 shards commit under store faults, resends
-    after lost replies are acknowledged once, cuts are read and checked; no violation."""
+    after lost replies are acknowledged once, cuts are read and checked while their readers
+    move since, every plain append is checked; no violation."""
     report = checker.run(seed=505, duration_s=3.0, writers=1, backend="mem", faults=["txns"])
     print(report.render())
     assert report.ok, report.render()
@@ -82,6 +83,8 @@ def test_checker_txns_piece() -> None:
     assert ops["txns_resent_and_acked"] > 0, report.render()
     assert ops["txns_cuts_checked"] > 0 and ops["txns_listen_events"] > 0, report.render()
     assert ops["txns_commits_checked"] == ops["txns_committed"] + ops["txns_already_committed"]
+    assert ops["txns_since_downgrades"] > 0, report.render()
+    assert ops["txns_plain_appends_checked"] == ops["txns_plain_appends"], report.render()
 
 
 @pytest.mark.slow
