@@ -7,8 +7,8 @@ A ``rate-micro-batch`` stream (:data:`ROWS_PER_BATCH` values a micro-batch, the 
 when Spark replays a micro-batch from its offset log) feeds ``foreachBatch``: each value v is
 an order (shard ORDERS: ``order_id, customer, amount, batch``) with two items (shard ITEMS:
 ``order_id, line, sku, qty, batch``), written in one ``pyspark_persist.txn`` whose
-``txnVersion`` is the micro-batch id. The run stops once Spark's progress reports micro-batch
-UNTIL_BATCH done and exits 0.
+``txnVersion`` is the micro-batch id. The run ends once micro-batch UNTIL_BATCH is done: the
+next one raises before it writes anything, which ends the query, and the job exits 0.
 
 Test hooks, all in this file (the library is run as users run it): each micro-batch's
 commit appends ``committed <batch> <time> <applied|already>`` to ``$TXN_TEST_MARKERS`` once
@@ -90,6 +90,16 @@ def hold_before_cas(hooks: Hooks, location: dict[str, str], shard: str) -> None:
     consensus.compare_and_set_many = held  # type: ignore[method-assign]
 
 
+DONE = "txn-orders: past UNTIL_BATCH"
+
+
+class Done(Exception):
+    """Raised by the micro-batch after UNTIL_BATCH: the run's normal end."""
+
+    def __init__(self, batch_id: int) -> None:
+        super().__init__(f"{DONE} ({batch_id})")
+
+
 def main(argv: list[str]) -> int:
     """Run the stream until micro-batch UNTIL_BATCH is done."""
     blob, consensus, checkpoint, orders, items, until = argv
@@ -100,6 +110,12 @@ def main(argv: list[str]) -> int:
     hold_before_cas(hooks, location, orders)
 
     def load(df: DataFrame, batch_id: int) -> None:
+        if batch_id > int(until):
+            # Ends the query before this micro-batch writes anything (stopping it from the
+            # main thread would interrupt a micro-batch in the middle), without Spark's ERROR
+            # log of a failed query: this end is the expected one.
+            spark.sparkContext.setLogLevel("FATAL")
+            raise Done(batch_id)
         hooks.batch = batch_id
         df = df.select(F.col("value").alias("order_id"), F.lit(batch_id).alias("batch"))
         order_rows = df.select(
@@ -137,14 +153,11 @@ def main(argv: list[str]) -> int:
         .option("checkpointLocation", checkpoint)
         .start()
     )
-    while query.isActive:
-        progress = query.lastProgress
-        if progress is not None and progress["batchId"] >= int(until):
-            break
-        time.sleep(0.1)
-    if query.exception() is not None:
-        raise SystemExit(f"the query failed: {query.exception()}")
-    query.stop()
+    try:
+        query.awaitTermination()
+    except Exception as e:  # the query's failure, a Py4J/Spark error naming Done's
+        if DONE not in str(e):
+            raise
     spark.stop()
     return 0
 
