@@ -284,7 +284,9 @@ def test_sigkill_at_each_step_of_a_spark_txn_leaves_every_micro_batch_whole_once
             return out
 
         orphans = unreferenced()
-        assert orphans, "the kill before the commit left no staged part in Blob"
+        # At least the parts of the attempt killed before its commit: one per task (local[2]:
+        # two) in each shard.
+        assert len(orphans) >= 4, f"the kill before the commit left {len(orphans)} parts"
         time.sleep(0.3)  # past the grace the sweep gives staged parts
         swept = sum(shard.gc().orphans_deleted for shard in (orders, items))
         assert swept >= len(orphans) and unreferenced() == set()
