@@ -5,7 +5,8 @@ stream into orders and their items, two shards with different columns, written i
 transaction a micro-batch with ``txnVersion=batch_id``, on a file Blob and a SQLite (or
 PostgreSQL) Consensus, with a fixed checkpoint. The parent kills the job (its whole process
 group, SIGKILL: the driver JVM, the Python driver and its workers) at each chosen step of a
-micro-batch's commit, the job holding there until the kill, and once at a random moment;
+micro-batch's commit, the job holding there until the kill, and (on SQLite) once at a random
+moment;
 each restart uses the same checkpoint, and the last run goes on two micro-batches past the
 furthest any run reached, then stops.
 
