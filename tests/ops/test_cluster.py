@@ -51,7 +51,8 @@ def test_roundtrip_and_restarted_stream_on_a_local_cluster(
     tmp_path: Path,
     spark_submit_java_options: str,
 ) -> None:
-    """Two executor JVMs write and read S3 + PostgreSQL; a restarted stream lands exactly once."""
+    """Two executor JVMs write and read S3 + PostgreSQL; a restarted stream lands exactly once;
+    a transaction over two shards commits once and a stream of both reads it whole."""
     run_id = uuid.uuid4().hex[:8]
     blob = f"s3://{MOTO_BUCKET}/cluster-{run_id}?endpoint_url={moto_server}&region=us-east-1"
     archive = tmp_path / "pyspark_persist.zip"
@@ -121,6 +122,14 @@ def test_roundtrip_and_restarted_stream_on_a_local_cluster(
     assert report["roundtrip"] == [[i, f"row-{i}", 1] for i in range(ROWS)]
     assert report["first_run_batches"] >= 1
     assert report["sink"] == [[i, 1] for i in range(3 * ROWS)], "each row exactly once"
+
+    # One transaction over two shards from the cluster: one commit in each, at one time; both
+    # shards streamed in one source, every row tagged with its shard.
+    txn = report["txn"]
+    evens, odds = f"even-{run_id}", f"odd-{run_id}"
+    assert len(txn["history"][evens]) == 1 and txn["history"][evens] == txn["history"][odds]
+    assert txn["history"][evens][0][1] == txn["time"] + 1  # the commit's upper: time + 1
+    assert txn["streamed"] == {evens: list(range(0, ROWS, 2)), odds: list(range(1, ROWS, 2))}
 
     # The data is where the options said: parts in the bucket, state in PostgreSQL.
     client = PersistClient.open(blob, postgres_url)

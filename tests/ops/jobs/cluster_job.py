@@ -13,7 +13,10 @@ launches its executor as a JVM of its own, as on a real cluster. The job:
 2. writes a DataFrame to a shard on S3 + PostgreSQL from both executors and
    reads it back (the roundtrip);
 3. tails that shard into a second one with a streaming query, stops it
-   mid-stream, writes more, and restarts it from its checkpoint.
+   mid-stream, writes more, and restarts it from its checkpoint;
+4. splits a DataFrame into two shards in one ``pyspark_persist.txn`` (staged
+   on both executors, committed on the driver) and streams both shards in one
+   source (option ``shards``).
 
 It writes what it saw to OUT (JSON) for the test to check; it checks nothing itself.
 """
@@ -151,9 +154,57 @@ def main() -> None:
         .select("id", "_diff")
         .collect()
     )
+    report["txn"] = _split_in_one_transaction(spark, opts, run, workdir)
     with open(out, "w") as f:
         json.dump(report, f)
     spark.stop()
+
+
+def _split_in_one_transaction(
+    spark: SparkSession, opts: dict[str, str], run: str, workdir: str
+) -> dict[str, Any]:
+    """Even and odd ids into two shards in one ``pyspark_persist.txn`` (four staging tasks
+    over both executors, one commit on the driver), then both shards in one stream."""
+    import pyspark_persist
+
+    evens, odds = f"even-{run}", f"odd-{run}"
+    df = spark.range(0, ROWS, numPartitions=4).selectExpr("id", "concat('row-', id) AS name")
+    with pyspark_persist.txn(spark, writerId="cluster", txnVersion=0, **opts) as t:
+        t.append(df.filter("id % 2 = 0"), evens)
+        t.append(df.filter("id % 2 = 1"), odds)
+    history = {
+        name: [
+            [r["txn_id"], r["upper"]]
+            for r in spark.read.format("persist")
+            .options(**opts)
+            .option("history", "true")
+            .load(name)
+            .collect()
+            if r["txn_id"]
+        ]
+        for name in (evens, odds)
+    }
+    both = (
+        spark.readStream.format("persist")
+        .options(**opts)
+        .option("shards", f"{evens},{odds}")
+        .load()
+        .writeStream.format("memory")
+        .queryName("cluster_both")
+        .option("checkpointLocation", os.path.join(workdir, "shards-checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    if not both.awaitTermination(300):
+        raise SystemExit("the stream of both shards did not finish its availableNow run in 300 s")
+    streamed: dict[str, list[int]] = {}
+    for r in spark.sql("SELECT _shard, id FROM cluster_both").collect():
+        streamed.setdefault(r["_shard"], []).append(r["id"])
+    return {
+        "history": history,
+        "time": t.commit_time,
+        "streamed": {name: sorted(v) for name, v in streamed.items()},
+    }
 
 
 if __name__ == "__main__":
