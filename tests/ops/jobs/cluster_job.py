@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from both_shards import stream_both
 from pyspark.sql import SparkSession
 
 ROWS = 600
@@ -184,26 +185,10 @@ def _split_in_one_transaction(
         ]
         for name in (evens, odds)
     }
-    both = (
-        spark.readStream.format("persist")
-        .options(**opts)
-        .option("shards", f"{evens},{odds}")
-        .load()
-        .writeStream.format("memory")
-        .queryName("cluster_both")
-        .option("checkpointLocation", os.path.join(workdir, "shards-checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    if not both.awaitTermination(300):
-        raise SystemExit("the stream of both shards did not finish its availableNow run in 300 s")
-    streamed: dict[str, list[int]] = {}
-    for r in spark.sql("SELECT _shard, id FROM cluster_both").collect():
-        streamed.setdefault(r["_shard"], []).append(r["id"])
     return {
         "history": history,
         "time": t.commit_time,
-        "streamed": {name: sorted(v) for name, v in streamed.items()},
+        "streamed": stream_both(spark, (evens, odds), opts, workdir),
     }
 
 

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any
 
+from both_shards import stream_both
 from pyspark.sql import DataFrame, SparkSession
 
 import pyspark_persist
@@ -103,25 +104,10 @@ def split_in_transactions(spark: SparkSession, workdir: str) -> dict[str, Any]:
         name: sorted(r.id for r in spark.read.format("persist").load(name).select("id").collect())
         for name in ("connect-even", "connect-odd")
     }
-    both = (
-        spark.readStream.format("persist")
-        .option("shards", "connect-even,connect-odd")
-        .load()
-        .writeStream.format("memory")
-        .queryName("connect_both")
-        .option("checkpointLocation", os.path.join(workdir, "shards-checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    if not both.awaitTermination(300):
-        raise SystemExit("the stream of both shards did not finish its availableNow run in 300 s")
-    streamed: dict[str, list[int]] = {}
-    for r in spark.sql("SELECT _shard, id FROM connect_both").collect():
-        streamed.setdefault(r["_shard"], []).append(r["id"])
     return {
         "history": history,
         "ids": ids,
-        "streamed": {name: sorted(v) for name, v in streamed.items()},
+        "streamed": stream_both(spark, ("connect-even", "connect-odd"), {}, workdir),
         "replay_applied": not replay.already_committed,
     }
 
