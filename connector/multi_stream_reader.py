@@ -107,9 +107,14 @@ class ShardSet:
             offsets.check_incarnation(holder.machine.incarnation, offset[name])
 
     def initial_offset(self) -> JointOffset:
-        """Each shard's start, as the starting options say, read at one instant."""
+        """Each shard's start, as the starting options say, read at one instant. A
+        ``startingTime`` past a shard's upper (a shard written less often than the others)
+        starts its changes there all the same."""
         states = self.settled_states()
-        return {name: h.initial_offset_at(states[name]) for name, h in self.holders.items()}
+        return {
+            name: h.initial_offset_at(states[name], changes_ahead=True)
+            for name, h in self.holders.items()
+        }
 
     def latest_offset(self, start: JointOffset, limit: ReadLimit) -> JointOffset:
         """The end of the next micro-batch: each shard's upper at one instant, cut at one time

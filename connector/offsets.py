@@ -186,17 +186,35 @@ def upper_offset(state: ShardState) -> Offset:
 
 
 def initial_offset(
-    state: ShardState, starting: Starting, fail_on_data_loss: bool = True
+    state: ShardState,
+    starting: Starting,
+    fail_on_data_loss: bool = True,
+    *,
+    changes_ahead: bool = False,
 ) -> Start | Gap:
     """Where a new query starts: before the snapshot (at ``starting.as_of`` when set), at the
     upper for ``latest``, or in ``listen`` at ``starting.changes_from``.
 
     A time at or past the upper is InvalidFrontier; one whose snapshot (or changes) were
-    compacted away is a :class:`Gap` that resumes at the since.
+    compacted away is a :class:`Gap` that resumes at the since. ``changes_ahead``: a
+    ``changes_from`` past the upper starts there all the same, and the stream waits for the
+    shard to reach it (a stream of several shards, where one shard's writes may lag the time
+    the others reached).
     """
     if starting.latest:
         return Start(upper_offset(state))
     if starting.changes_from is not None:
+        if changes_ahead and starting.changes_from > state.upper:
+            return Start(
+                Offset(
+                    state.shard_id,
+                    state.seqno,
+                    starting.changes_from,
+                    LISTEN,
+                    None,
+                    state.incarnation,
+                )
+            )
         return _changes_from(state, starting.changes_from, starting.what, fail_on_data_loss)
     as_of = starting.as_of
     skipped: list[Gap] = []

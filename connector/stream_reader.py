@@ -377,13 +377,16 @@ class LeaseHolder:
             return resumed
         return self.initial_offset_at(self.current_state())
 
-    def initial_offset_at(self, state: ShardState) -> Offset:
+    def initial_offset_at(self, state: ShardState, *, changes_ahead: bool = False) -> Offset:
         """Where a query with no checkpoint starts, as the starting options say, from
-        ``state`` (a stream of several shards reads their states at one instant)."""
+        ``state`` (a stream of several shards reads their states at one instant, and may
+        start a shard's changes past its upper: ``changes_ahead``, see
+        :func:`~pyspark_persist.offsets.initial_offset`)."""
         state, starting = self._starting(state)
-        return self._settle(
-            offsets.initial_offset(state, starting, self._opts.fail_on_data_loss)
-        ).offset
+        start = offsets.initial_offset(
+            state, starting, self._opts.fail_on_data_loss, changes_ahead=changes_ahead
+        )
+        return self._settle(start).offset
 
     def _starting(self, state: ShardState) -> tuple[ShardState, Starting]:
         """The starting options in times, and the state to start from.

@@ -205,6 +205,22 @@ def test_starting_position_latest_reads_only_new_transactions() -> None:
     reader.stop()
 
 
+def test_starting_time_past_an_idle_shards_upper_starts_there_and_as_of_is_refused() -> None:
+    env = Env()
+    first = env.txn(1, 1)
+    env.append_order(2)  # orders moves past items' upper
+    later = env.client.open_shard(env.orders).upper - 1
+    assert later > first  # items' upper is first + 1: its snapshot at later is not complete
+    with pytest.raises(InvalidUsage, match=f"startingAsOf .* of shard '{env.items}'"):
+        env.reader(startingAsOf=str(later)).initialOffset()
+    reader = env.reader(startingTime=str(later))
+    offset = reader.initialOffset()
+    env.txn(3, 1)
+    batches, _ = run(reader, offset)
+    assert sorted(r["order"] for b in batches for r in b) == [2, 3, 3]
+    reader.stop()
+
+
 def test_available_now_stops_at_the_uppers_seen_when_prepared() -> None:
     env = Env()
     env.txn(1, 1)
