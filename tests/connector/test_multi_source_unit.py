@@ -29,7 +29,7 @@ from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
 
 ORDERS = pa.schema([("order", pa.int64()), ("amount", pa.float64())])
 ITEMS = pa.schema([("order", pa.int64()), ("sku", pa.string())])
-ORDERS_IN_TXNS = 100
+ORDERS_IN_TXNS = 60
 """Transactions committed while a stream runs beside them."""
 
 
@@ -156,7 +156,7 @@ def test_no_micro_batch_splits_a_transaction_while_writers_commit(
 
     def appends() -> None:
         order = 10_000
-        while not stop.wait(0.002):
+        while not stop.wait(0.005):
             env.append_order(order)
             order += 1
 
