@@ -156,7 +156,13 @@ def test_a_stream_of_both_shards_gets_each_transaction_in_one_micro_batch(
             .option("checkpointLocation", str(tmp_path / "rck"))
             .start()
         )
-        while writer.lastProgress is None or writer.lastProgress["batchId"] < 3:
+        while reader.lastProgress is None:  # the reader's first micro-batch is done
+            assert writer.exception() is None and reader.exception() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        # Then two more of the writer's transactions, which the reader reads as they land.
+        after = writer.lastProgress["batchId"] + 2 if writer.lastProgress else 2
+        while writer.lastProgress is None or writer.lastProgress["batchId"] < after:
             assert writer.exception() is None and reader.exception() is None
             assert time.monotonic() < deadline
             time.sleep(0.2)
