@@ -47,8 +47,8 @@ from pyspark_persist.state.errors import Determinate
 from pyspark_persist.stream_reader import (
     LeaseHolder,
     PersistInputPartition,
-    PersistStreamReader,
     check_diffs_shown,
+    default_read_limit,
     read_limits,
     read_partition,
 )
@@ -141,8 +141,8 @@ class ShardSet:
     def plan(
         self, start: JointOffset, end: JointOffset, schema: StructType
     ) -> list[PersistInputPartition]:
-        """Each shard's share of the micro-batch, planned and leased by its own holder."""
-        self.check(start)
+        """Each shard's share of the micro-batch, planned and leased by its own holder (which
+        checks its hold updates and the offsets' incarnation itself)."""
         partitions: list[PersistInputPartition] = []
         for name, holder in self.holders.items():
             if reads_nothing(start[name], end[name]):
@@ -209,7 +209,7 @@ class MultiShardStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def getDefaultReadLimit(self) -> ReadLimit:
         """As a single shard's source: maxBytes/Files/RowsPerTrigger if set (each shard's cap)."""
-        return PersistStreamReader(self._opts, self._schema).getDefaultReadLimit()
+        return default_read_limit(self._opts)
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         """Each shard's newest offset with what is left to read of it (``behind``)."""

@@ -650,6 +650,17 @@ def read_limits(limit: ReadLimit) -> ReadLimits:
     return NO_LIMITS  # ReadAllAvailable, or a limit persist does not know: everything
 
 
+def default_read_limit(opts: PersistOptions) -> ReadLimit:
+    """The read limit the options set (maxBytes/Files/RowsPerTrigger), else everything."""
+    if opts.max_bytes is not None:
+        return ReadMaxBytes(opts.max_bytes)
+    if opts.max_files is not None:
+        return ReadMaxFiles(opts.max_files)
+    if opts.max_rows is not None:
+        return ReadMaxRows(opts.max_rows)
+    return ReadAllAvailable()
+
+
 class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """``spark.readStream.format("persist")``. Pickled to executors: only options travel."""
 
@@ -683,13 +694,7 @@ class PersistStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def getDefaultReadLimit(self) -> ReadLimit:
         """maxBytes/Files/RowsPerTrigger if set, else everything available."""
-        if self._opts.max_bytes is not None:
-            return ReadMaxBytes(self._opts.max_bytes)
-        if self._opts.max_files is not None:
-            return ReadMaxFiles(self._opts.max_files)
-        if self._opts.max_rows is not None:
-            return ReadMaxRows(self._opts.max_rows)
-        return ReadAllAvailable()
+        return default_read_limit(self._opts)
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         """The newest offset with what is left to read (``behind``: rows, bytes, parts, times),

@@ -31,6 +31,19 @@ def _batches(client: PersistClient, shard: str, as_of: int) -> Counter[int]:
     return out
 
 
+def _orders_and_items(spark: SparkSession, rows_per_second: int) -> DataFrame:
+    """A rate stream of ids, every third an order and the rest its items (column ``kind``)."""
+    return (
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", rows_per_second)
+        .load()
+        .select(
+            F.col("value").alias("id"),
+            F.when(F.col("value") % 3 == 0, "order").otherwise("item").alias("kind"),
+        )
+    )
+
+
 def test_each_micro_batch_lands_in_both_shards_whole_and_once(
     spark: SparkSession, tmp_path: Path
 ) -> None:
@@ -46,15 +59,7 @@ def test_each_micro_batch_lands_in_both_shards_whole_and_once(
             t.append(df.filter("kind = 'order'").drop("kind"), orders)
             t.append(df.filter("kind = 'item'").drop("kind"), items)
 
-    feed = (
-        spark.readStream.format("rate")
-        .option("rowsPerSecond", 100)
-        .load()
-        .select(
-            F.col("value").alias("id"),
-            F.when(F.col("value") % 3 == 0, "order").otherwise("item").alias("kind"),
-        )
-    )
+    feed = _orders_and_items(spark, rows_per_second=100)
     q = (
         feed.writeStream.foreachBatch(load)
         .option("checkpointLocation", str(tmp_path / "ck"))
@@ -120,15 +125,7 @@ def test_a_stream_of_both_shards_gets_each_transaction_in_one_micro_batch(
             t.append(df.filter("kind = 'order'").select("id", "batch"), orders)
             t.append(df.filter("kind = 'item'").select("id", "batch", "kind"), items)
 
-    feed = (
-        spark.readStream.format("rate")
-        .option("rowsPerSecond", 200)
-        .load()
-        .select(
-            F.col("value").alias("id"),
-            F.when(F.col("value") % 3 == 0, "order").otherwise("item").alias("kind"),
-        )
-    )
+    feed = _orders_and_items(spark, rows_per_second=200)
     writer = (
         feed.writeStream.foreachBatch(load)
         .option("checkpointLocation", str(tmp_path / "wck"))
