@@ -228,11 +228,17 @@ def test_sigkill_at_random_points_then_restart_delivers_exactly_once(
     assert n > 100, f"only {n} values written: the runs did little"
     log = p.log.read_text(errors="replace")
     applied = len(re.findall(r"\[deliver\] applied", log))
-    assert applied > KILLS, f"{applied} micro-batches delivered over {KILLS + 1} runs"
     # A kill on a fresh token lands before Spark's commit log more often than not (2 of the
     # first 3 in one run measured, 5 of 5 in another), so some micro-batch was replayed and
     # skipped by its token.
     replays = len(re.findall(r"\[deliver\] skipped \(applied before", log))
+    # Every run delivered: each killed one at least once before its kill (a run's first
+    # delivery may be the replay of the micro-batch its predecessor was killed in, so under
+    # load a run may apply nothing new: CI once saw 10 applied over 11 runs), the last one
+    # to its end.
+    assert applied >= 1 and applied + replays > KILLS, (
+        f"{applied} micro-batches applied and {replays} replays skipped over {KILLS + 1} runs"
+    )
     print(
         f"{KILLS} kills, {applied} micro-batches applied, {replays} replays skipped, "
         f"{n} rate values, {len(_table(p))} rows in the table"
