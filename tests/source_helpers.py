@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,11 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 
-from pyspark_persist.state import Shard
+from pyspark_persist import source
+from pyspark_persist.state import PersistClient, Shard
+from pyspark_persist.state.blob import open_blob
+from pyspark_persist.state.cache import SharedState, StateCache
+from pyspark_persist.state.consensus import open_consensus
 from pyspark_persist.state.maintenance import compact
 
 SCHEMA = pa.schema([("id", pa.int64()), ("s", pa.string())])
@@ -81,3 +86,42 @@ def error_of(fn: Any) -> str:
     with pytest.raises(Exception) as ei:  # noqa: B017 - Spark wraps in several types
         fn()
     return str(ei.value)
+
+
+class LostPushes:
+    """A PubSub transport that looks connected (the shard's pushes look healthy) but delivers
+    no push: every commit of another process is one whose push was lost (a full send queue,
+    a writer with PubSub off or on another server)."""
+
+    def push(self, shard_id: str, seqno: int) -> None:
+        """Sends nothing."""
+
+    def subscribe(self, shard_id: str, shared: SharedState, consensus_uri: str) -> None:
+        """Acknowledged at once, and never heard from again."""
+        shared.set_push_healthy(self, True)
+
+    def unsubscribe(self, shard_id: str) -> None:
+        """Nothing to undo."""
+
+
+PUBSUB = "127.0.0.1:6879"
+
+
+def reader_with_lost_pushes(
+    monkeypatch: pytest.MonkeyPatch, blob: str, consensus: str
+) -> list[int]:
+    """Make streaming reads of the location with ``pubsub`` set to :data:`PUBSUB` use a client
+    of their own (their own cached state, as in another process) whose pushes look healthy
+    but never arrive, on a clock the test moves; return that clock (epoch ms in a
+    one-element list)."""
+
+    clock = [time.time_ns() // 1_000_000]
+    client = PersistClient(
+        open_blob(blob),
+        open_consensus(consensus),
+        publisher=LostPushes(),
+        cache=StateCache(),
+        clock_ms=lambda: clock[0],
+    )
+    monkeypatch.setitem(source._clients, (blob, consensus, PUBSUB), client)
+    return clock

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from source_helpers import PUBSUB, reader_with_lost_pushes
 
 from pyspark_persist.joint_offsets import next_joint, reads_nothing, settled
 from pyspark_persist.multi_stream_reader import MultiShardStreamReader
@@ -26,6 +27,7 @@ from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import union_read_schema
 from pyspark_persist.state import PersistClient, ShardState
 from pyspark_persist.state.errors import InvalidUsage, SchemaMismatch
+from pyspark_persist.state.machine import Machine
 
 ORDERS = pa.schema([("order", pa.int64()), ("amount", pa.float64())])
 ITEMS = pa.schema([("order", pa.int64()), ("sku", pa.string())])
@@ -126,6 +128,49 @@ def test_a_shard_nobody_writes_holds_nothing_back() -> None:
     env.append_order(2)
     batches, _ = run(reader, offset)
     assert [[(r["_shard"], r["order"]) for r in b] for b in batches] == [[(env.orders, 2)]]
+    reader.stop()
+
+
+def test_an_idle_stream_reads_consensus_only_every_pubsub_poll_ms_and_a_push_never_cuts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While PubSub delivers every shard, a trigger that finds nothing new in the cached
+    states reads no Consensus (Spark asks every 10 ms); a commit whose push was lost shows
+    once pubsubPollMs has passed. When a push shows one shard of a transaction before the
+    other's (they come one per shard), the cut is still read from Consensus for all: the
+    transaction arrives whole."""
+    env = Env()
+    env.txn(1, 1)
+    clock = reader_with_lost_pushes(monkeypatch, env.blob, env.consensus)
+    reads = [0]
+    fetch_latest = Machine.fetch_latest
+
+    def counted(machine: Machine) -> ShardState:
+        reads[0] += 1
+        return fetch_latest(machine)
+
+    monkeypatch.setattr(Machine, "fetch_latest", counted)
+    reader = env.reader(pubsub=PUBSUB, startingPosition="latest")
+    start = reader.initialOffset()
+    reads[0] = 0
+    for _ in range(50):
+        assert reader.latestOffset(start, ReadAllAvailable()) == start
+    # One poll of each shard (the first trigger's); before, two reads of both per trigger.
+    assert reads[0] <= 2, f"{reads[0]} Consensus reads over 50 idle triggers"
+
+    env.txn(2, 2)  # another process's transaction; both pushes lost
+    assert reader.latestOffset(start, ReadAllAvailable()) == start  # cached, within 1 s
+    reader.shard_set.holders[env.orders].machine.fetch_latest()  # the orders push alone came
+    (batch,), offset = run(reader, start)
+    assert sorted((r["_shard"], r["order"]) for r in batch) == sorted(
+        [(env.orders, 2), (env.items, 2), (env.items, 2)]
+    )
+
+    env.append_order(3)  # its push lost too
+    assert reader.latestOffset(offset, ReadAllAvailable()) == offset
+    clock[0] += 1000  # pubsubPollMs (default 1 s) later: Consensus is read again
+    (batch,), _ = run(reader, offset)
+    assert [(r["_shard"], r["order"]) for r in batch] == [(env.orders, 3)]
     reader.stop()
 
 

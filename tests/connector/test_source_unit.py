@@ -24,12 +24,11 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxFiles,
     ReadMaxRows,
 )
-from source_helpers import SCHEMA, Row, merge_all, rows
+from source_helpers import PUBSUB, SCHEMA, Row, merge_all, reader_with_lost_pushes, rows
 
 from pyspark_persist.options import PersistOptions
 from pyspark_persist.schema import read_schema
 from pyspark_persist.state import PersistClient, Shard
-from pyspark_persist.state.cache import SharedState
 from pyspark_persist.state.drop import drop_shard
 from pyspark_persist.state.errors import InvalidUsage, ShardDropped
 from pyspark_persist.stream_reader import (
@@ -581,48 +580,6 @@ def test_latest_offset_waits_for_a_pubsub_commit_when_nothing_is_new(
     client.close()
 
 
-class LostPushes:
-    """A PubSub transport that looks connected (the shard's pushes look healthy) but delivers
-    no push: every commit of another process is one whose push was lost (a full send queue,
-    a writer with PubSub off or on another server)."""
-
-    def push(self, shard_id: str, seqno: int) -> None:
-        """Sends nothing."""
-
-    def subscribe(self, shard_id: str, shared: SharedState, consensus_uri: str) -> None:
-        """Acknowledged at once, and never heard from again."""
-        shared.set_push_healthy(self, True)
-
-    def unsubscribe(self, shard_id: str) -> None:
-        """Nothing to undo."""
-
-
-PUBSUB = "127.0.0.1:6879"
-
-
-def reader_with_lost_pushes(env: Env, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make ``env``'s streaming reads with ``pubsub`` set use a client of their own (their own
-    cached state, as in another process) whose pushes look healthy but never arrive, on a
-    clock the test moves; return that clock (epoch ms in a one-element list)."""
-    import time
-
-    from pyspark_persist import source
-    from pyspark_persist.state.blob import open_blob
-    from pyspark_persist.state.cache import StateCache
-    from pyspark_persist.state.consensus import open_consensus
-
-    clock = [time.time_ns() // 1_000_000]
-    client = PersistClient(
-        open_blob(env.base["blob"]),
-        open_consensus(env.base["consensus"]),
-        publisher=LostPushes(),
-        cache=StateCache(),
-        clock_ms=lambda: clock[0],
-    )
-    monkeypatch.setitem(source._clients, (env.base["blob"], env.base["consensus"], PUBSUB), client)
-    return clock
-
-
 def test_latest_offset_sees_a_commit_whose_push_was_dropped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -634,7 +591,7 @@ def test_latest_offset_sees_a_commit_whose_push_was_dropped(
     stayed invisible until the reader's heartbeat (10 s) happened to refresh it."""
     env = Env()
     env.write(rows(range(3)))
-    clock = reader_with_lost_pushes(env, monkeypatch)
+    clock = reader_with_lost_pushes(monkeypatch, env.base["blob"], env.base["consensus"])
     reader = env.reader(pubsub=PUBSUB, startingPosition="latest")
     start = reader.initialOffset()
     assert reader.holder.machine.shared.push_healthy
@@ -655,7 +612,7 @@ def test_pubsub_poll_ms_bounds_how_long_a_cached_answer_stands(
     250 ms of the client's clock."""
     env = Env()
     env.write(rows(range(3)))
-    clock = reader_with_lost_pushes(env, monkeypatch)
+    clock = reader_with_lost_pushes(monkeypatch, env.base["blob"], env.base["consensus"])
     always = env.reader(pubsub=PUBSUB, startingPosition="latest", pubsubPollMs="0")
     start = always.initialOffset()
     env.write(rows(range(3, 5)))
@@ -684,7 +641,7 @@ def test_available_now_end_reads_consensus(monkeypatch: pytest.MonkeyPatch) -> N
     Regression: the end came from the cache, so such a commit was left for the next run."""
     env = Env()
     env.write(rows(range(3)))
-    reader_with_lost_pushes(env, monkeypatch)
+    reader_with_lost_pushes(monkeypatch, env.base["blob"], env.base["consensus"])
     reader = env.reader(pubsub=PUBSUB)
     start = reader.initialOffset()
     env.write(rows(range(3, 5)))  # another process's commit; its push is lost
