@@ -44,6 +44,12 @@ spark.stop()
 """Loads the classes the tests' jobs share: SQL planning, aggregation, JSON, a file stream."""
 
 
+WARM_UP_TIMEOUT_S = 120.0
+"""The warm-up takes 10-20 s; one starved longer than this (it runs niced, in the background,
+and a loaded machine gives it nothing: seen at 300 s with two CPU hogs beside the tests) is
+given up, and the jobs start without an archive rather than not at all."""
+
+
 def spark_submit() -> str:
     """``$SPARK_HOME/bin/spark-submit``, else the one shipped inside the pyspark package."""
     home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
@@ -53,7 +59,8 @@ def spark_submit() -> str:
 def _java_options(factory: pytest.TempPathFactory, env: dict[str, str]) -> str:
     """Run the warm-up job with ``-XX:ArchiveClassesAtExit``; the options that use its archive.
 
-    Without an archive (the warm-up job failed) the options are the quick JVM's alone.
+    Without an archive (the warm-up job failed or ran out of time) the options are the quick
+    JVM's alone.
     """
     base = factory.mktemp("cds")
     archive, job, data = base / "spark.jsa", base / "warm_up.py", base / "data"
@@ -61,26 +68,29 @@ def _java_options(factory: pytest.TempPathFactory, env: dict[str, str]) -> str:
     data.mkdir()
     (data / "rows.json").write_text('{"id": 1}\n')
     env = dict(env, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
-    dump = subprocess.run(
-        [
-            spark_submit(),
-            "--master",
-            "local[2]",
-            "--driver-java-options",
-            f"{QUICK_JVM} -XX:ArchiveClassesAtExit={archive}",
-            "--conf",
-            "spark.ui.enabled=false",
-            str(job),
-            str(data / "rows.json"),
-            str(data),
-        ],
-        env=env,
-        cwd=base,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        timeout=300,
-        check=False,
-    )
+    try:
+        dump = subprocess.run(
+            [
+                spark_submit(),
+                "--master",
+                "local[2]",
+                "--driver-java-options",
+                f"{QUICK_JVM} -XX:ArchiveClassesAtExit={archive}",
+                "--conf",
+                "spark.ui.enabled=false",
+                str(job),
+                str(data / "rows.json"),
+                str(data),
+            ],
+            env=env,
+            cwd=base,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=WARM_UP_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return QUICK_JVM
     if dump.returncode != 0 or not Path(archive).is_file():
         return QUICK_JVM
     return f"{QUICK_JVM} -XX:SharedArchiveFile={archive}"
