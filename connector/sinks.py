@@ -14,6 +14,7 @@ What the rows do to the table (multiset or by key) is decided by the pure
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -486,24 +487,52 @@ class PostgresSink:
         expected: int,
     ) -> None:
         """Delete :data:`COUNT` copies of each row of table ``scratch`` (``expected`` in
-        all); SinkDiverged (rolled back) when the table has fewer."""
+        all); SinkDiverged (rolled back) when the table has fewer.
+
+        A row is matched by every column (``IS NOT DISTINCT FROM`` where NULL is allowed),
+        which PostgreSQL can only join row by row: retracting R rows from a table of T rows
+        cost T x R comparisons (20,000 x 5,000: 1.8 s). So the rows are first matched by
+        their text (``ROW(...)::text``, which sorts and hashes: 21 ms there), the exact
+        comparison kept as the join's filter. Two equal values with different texts (-0.0
+        and 0.0) would escape that match: when it deletes fewer rows than retracted, the
+        row-by-row match runs instead (the first rolled back), and only its count decides.
+        """
         from psycopg import sql
 
-        match = sql.SQL(" AND ").join(
+        exact = sql.SQL(" AND ").join(
             sql.SQL("t.{c} {op} s.{c}").format(
                 c=sql.Identifier(c),
                 op=sql.SQL("=" if c in not_null else "IS NOT DISTINCT FROM"),
             )
             for c in columns
         )
-        deleted = conn.execute(
-            sql.SQL(
-                "DELETE FROM {t} WHERE ctid = ANY (ARRAY("
-                "SELECT m.ctid FROM (SELECT t.ctid, s.{n} AS n, "
-                "row_number() OVER (PARTITION BY s.ctid ORDER BY t.ctid) AS k "
-                "FROM {t} t JOIN {s} s ON {match}) m WHERE m.k <= m.n))"
-            ).format(t=_name(self.table), s=scratch, n=sql.Identifier(COUNT), match=match)
-        ).rowcount
+
+        def delete(match: sql.Composable) -> int:
+            return conn.execute(
+                sql.SQL(
+                    "DELETE FROM {t} WHERE ctid = ANY (ARRAY("
+                    "SELECT m.ctid FROM (SELECT t.ctid, s.{n} AS n, "
+                    "row_number() OVER (PARTITION BY s.ctid ORDER BY t.ctid) AS k "
+                    "FROM {t} t JOIN {s} s ON {match}) m WHERE m.k <= m.n))"
+                ).format(t=_name(self.table), s=scratch, n=sql.Identifier(COUNT), match=match)
+            ).rowcount
+
+        deleted = -1
+        if not_null.issuperset(columns):
+            deleted = delete(exact)  # every column compared with =: PostgreSQL hashes it
+        else:
+
+            def text(alias: str) -> sql.Composable:
+                return sql.SQL("ROW({})::text").format(
+                    sql.SQL(", ").join(sql.Identifier(alias, c) for c in columns)
+                )
+
+            with contextlib.suppress(_Unmatched), conn.transaction():
+                deleted = delete(sql.SQL("{} = {} AND {}").format(text("t"), text("s"), exact))
+                if deleted != expected:
+                    raise _Unmatched  # rolls the savepoint back
+            if deleted != expected:
+                deleted = delete(exact)
         if deleted != expected:
             raise SinkDiverged(
                 f"sinks.postgres: the micro-batch retracts {expected} rows but table "
@@ -512,6 +541,10 @@ class PostgresSink:
                 "micro-batch was applied; rebuild the table from the shard (a new consumer "
                 "from the snapshot into an empty table)"
             )
+
+
+class _Unmatched(Exception):
+    """The match by text deleted fewer rows than retracted (rolled back to its savepoint)."""
 
 
 def stage_name(table: str, token: str) -> str:

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.types import (
     BinaryType,
+    DoubleType,
     LongType,
     StringType,
     StructField,
@@ -52,6 +53,7 @@ class Batch:
             "string": pa.string(),
             "binary": pa.binary(),
             "timestamp": pa.timestamp("us", tz="UTC"),
+            "double": pa.float64(),
         }
         self._table = pa.table(
             {
@@ -218,6 +220,39 @@ def test_a_retraction_the_table_lacks_rolls_back_the_whole_micro_batch(
         conn.execute(f"INSERT INTO {table} VALUES (1, 'a')")
     sink(batch, "t2")
     assert contents(postgres_url, table) == Counter({(2, "b"): 1})
+
+
+@pg
+def test_retractions_match_rows_whose_texts_differ_or_look_alike(
+    postgres_url: str, table: str
+) -> None:
+    """Rows are matched by their text first (so PostgreSQL can sort or hash the join), then
+    compared exactly: texts with the row format's own commas, quotes, parentheses and
+    NULL-looking strings retract exactly their rows and multiplicities, and a value equal
+    but differently written (-0.0 against 0.0: '-0' and '0') is still retracted, by the
+    row-by-row match that runs when the text match falls short."""
+    schema = StructType(
+        [
+            StructField("id", LongType()),
+            StructField("s", StringType()),
+            StructField("x", DoubleType()),
+            StructField("_diff", LongType()),
+        ]
+    )
+    tricky = ["a,b", '"q"', "(p)", "", None, "NULL", "\\", " "]
+    rows = [(i, s, 1.5, 2) for i, s in enumerate(tricky)] + [(99, None, 0.0, 1)]
+    sink = postgres(postgres_url, table)
+    sink(Batch(rows, schema), "t1")
+    # One copy of each tricky row back, and -0.0 for the 0.0 row.
+    sink(
+        Batch([(i, s, 1.5, -1) for i, s in enumerate(tricky)] + [(99, None, -0.0, -1)], schema),
+        "t2",
+    )
+    assert contents(postgres_url, table) == Counter({(i, s, 1.5): 1 for i, s in enumerate(tricky)})
+    # A NULL is not the string 'NULL' nor '': retracting (5, None) finds no such row.
+    with pytest.raises(SinkDiverged, match="retracts 1 rows but table .* holds only 0"):
+        sink(Batch([(5, None, 1.5, -1)], schema), "t3")
+    assert contents(postgres_url, table) == Counter({(i, s, 1.5): 1 for i, s in enumerate(tricky)})
 
 
 @pg
