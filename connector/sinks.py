@@ -517,22 +517,19 @@ class PostgresSink:
                 ).format(t=_name(self.table), s=scratch, n=sql.Identifier(COUNT), match=match)
             ).rowcount
 
+        def text(alias: str) -> sql.Composable:
+            return sql.SQL("ROW({})::text").format(
+                sql.SQL(", ").join(sql.Identifier(alias, c) for c in columns)
+            )
+
         deleted = -1
-        if not_null.issuperset(columns):
-            deleted = delete(exact)  # every column compared with =: PostgreSQL hashes it
-        else:
-
-            def text(alias: str) -> sql.Composable:
-                return sql.SQL("ROW({})::text").format(
-                    sql.SQL(", ").join(sql.Identifier(alias, c) for c in columns)
-                )
-
+        if not not_null.issuperset(columns):  # with every column compared by =, PG hashes it
             with contextlib.suppress(_Unmatched), conn.transaction():
                 deleted = delete(sql.SQL("{} = {} AND {}").format(text("t"), text("s"), exact))
                 if deleted != expected:
                     raise _Unmatched  # rolls the savepoint back
-            if deleted != expected:
-                deleted = delete(exact)
+        if deleted != expected:
+            deleted = delete(exact)
         if deleted != expected:
             raise SinkDiverged(
                 f"sinks.postgres: the micro-batch retracts {expected} rows but table "
